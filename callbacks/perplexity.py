@@ -1,0 +1,88 @@
+"""Perplexity from summed token NLL, for the original and the converted model."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torchmetrics import Metric
+from tqdm.auto import tqdm
+
+
+class SummedNLL(Metric):
+    """Accumulates summed next-token NLL and token counts; ``compute`` gives perplexity.
+
+    The NLL comes from ``cross_entropy`` on float32 logits (a log-softmax, never a softmax
+    over the vocabulary); sums are kept in float64 so long evaluations do not lose digits.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("nll", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, nll_sum: torch.Tensor, tokens: int) -> None:
+        self.nll += nll_sum.detach().to(torch.float64)
+        self.tokens += int(tokens)
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self.nll / self.tokens.clamp_min(1))
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, batches, max_batches: int | None = None, desc: str = "perplexity") -> float:
+    """Perplexity of ``model`` over ``batches`` (dicts with ``input_ids``)."""
+    from rfkit.module import summed_nll
+
+    metric = SummedNLL()
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = len(batches) if max_batches is None else min(max_batches, len(batches))
+    for i, batch in enumerate(tqdm(batches, desc=desc, total=total, unit="batch")):
+        if max_batches is not None and i >= max_batches:
+            break
+        ids = batch["input_ids"].to(device)
+        metric.update(*summed_nll(model(input_ids=ids, use_cache=False).logits, ids))
+    model.train(was_training)
+    return float(metric.compute())
+
+
+class PerplexityMonitor(L.Callback):
+    """Validation perplexity of the original model (before conversion) and of the converted
+    model (during validation and after training), on the same validation blocks.
+
+    Args:
+        max_batches: Evaluate at most this many validation batches (None: all).
+    """
+
+    def __init__(self, max_batches: int | None = None):
+        self.max_batches = max_batches
+        self.metric = SummedNLL()
+
+    def _evaluate(self, pl_module, datamodule, desc: str) -> float:
+        return evaluate_perplexity(pl_module.model, datamodule.val_dataloader(), self.max_batches, desc)
+
+    def on_before_convert(self, pl_module, datamodule) -> None:
+        if datamodule is not None:
+            ppl = self._evaluate(pl_module, datamodule, "perplexity (original)")
+            pl_module.run_metrics["ppl_original"] = ppl
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.metric.reset()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if isinstance(outputs, dict) and "nll_sum" in outputs:
+            self.metric.update(outputs["nll_sum"].cpu(), outputs["tokens"])
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if int(self.metric.tokens) > 0 and not trainer.sanity_checking:
+            ppl = float(self.metric.compute())
+            pl_module.log("val_ppl", ppl)
+            pl_module.run_metrics["ppl_converted"] = ppl
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        datamodule = trainer.datamodule
+        if datamodule is not None:
+            pl_module.run_metrics["ppl_converted"] = self._evaluate(pl_module, datamodule, "perplexity (converted)")

@@ -1,0 +1,24 @@
+"""rfkit: convert pretrained transformers into RecurFormer hybrids.
+
+Importing rfkit registers the converted model types (``rf_llama``, ``rf_mistral``,
+``rf_qwen2``) with transformers' Auto classes, so that
+``AutoModelForCausalLM.from_pretrained(dir)`` restores a converted model. It never imports
+CUDA-only packages.
+"""
+
+__version__ = "0.1.0"
+
+from rfkit import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
+from rfkit.errors import RFKitError  # noqa: E402
+from rfkit.operators import MambaOperator, ReplacementOperator  # noqa: E402
+from rfkit.policies import ExplicitHeads, HeadSelectionPolicy, RecencyRatioPolicy  # noqa: E402
+
+__all__ = [
+    "ExplicitHeads",
+    "HeadSelectionPolicy",
+    "MambaOperator",
+    "RFKitError",
+    "RecencyRatioPolicy",
+    "ReplacementOperator",
+    "__version__",
+]

@@ -1,0 +1,53 @@
+"""Cache accounting for converted models: K/V of kept heads plus the mixers' constant state.
+
+Kept heads use the ordinary transformers cache (any ``Cache``: the ``DynamicCache`` that
+``generate`` creates, or one the user passes in); each converted layer stores only its kept
+KV heads there. The mixers' states (Mamba conv and SSM state) sit in a dict on the same cache
+object, keyed by ``layer_idx``, so they travel with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STATE_ATTR = "rfkit_mixer_states"
+
+
+def mixer_state_store(cache) -> dict:
+    """The per-layer mixer states held by ``cache`` (created on first use)."""
+    store = getattr(cache, _STATE_ATTR, None)
+    if store is None:
+        store = {}
+        setattr(cache, _STATE_ATTR, store)
+    return store
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def cache_bytes(cache) -> dict:
+    """Bytes actually held by a cache: ``{"kv": ..., "state": ..., "total": ...}``."""
+    kv = 0
+    for layer in getattr(cache, "layers", []):
+        kv += _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+    state = sum(_tensor_bytes(t) for states in mixer_state_store(cache).values() for t in states)
+    return {"kv": kv, "state": state, "total": kv + state}
+
+
+@torch.no_grad()
+def measure_cache(model, input_ids: torch.Tensor) -> dict:
+    """Prefill ``input_ids`` (B, L) with ``use_cache=True`` and measure what the cache holds.
+
+    Returns bytes of K/V, of mixer state, their total, and K/V bytes per token (the part that
+    grows with the sequence).
+    """
+    was_training = model.training
+    model.eval()
+    out = model(input_ids=input_ids, use_cache=True)
+    model.train(was_training)
+    measured = cache_bytes(out.past_key_values)
+    tokens = input_ids.numel()
+    measured["tokens"] = tokens
+    measured["kv_bytes_per_token"] = measured["kv"] / tokens
+    return measured

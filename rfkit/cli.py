@@ -1,0 +1,143 @@
+"""``rfkit``: LightningCLI with the conversion subcommands.
+
+    rfkit fit      --config R.yaml     profile, select, replace, train, measure, save
+    rfkit validate --config R.yaml     convert and validate (add --ckpt_path for a trained run)
+    rfkit test     --config R.yaml
+    rfkit profile  --config R.yaml --output head_map.json
+    rfkit convert  --config R.yaml --output DIR       (no training)
+
+Recipes are LightningCLI YAML files; every Lightning override (``--trainer.max_steps 10``)
+works. Bad input gets one line on stderr naming the field, and exit code 2, before any model
+loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from rfkit.errors import RFKitError
+
+log = logging.getLogger("rfkit")
+
+PLUGIN_GROUP = "rfkit.plugins"
+
+
+def one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+class RFArgumentParser(LightningArgumentParser):
+    """Prints parse errors as one line (no usage dump) and exits 2."""
+
+    def error(self, message, *args, **kwargs):
+        sys.stderr.write(f"rfkit: error: {one_line(message)}\n")
+        raise SystemExit(2)
+
+
+class RFTrainer(Trainer):
+    """Lightning's Trainer plus the subcommands that convert without training."""
+
+    def profile(self, model, datamodule=None, output: str = "head_map.json"):
+        """Profile the heads on calibration data, select with the policy, write the head map.
+
+        Args:
+            output: Where to write head_map.json.
+        """
+        from rfkit.convert import build_head_map, load_base_model
+
+        base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code)
+        head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
+        head_map.save(output)
+        print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
+        return head_map
+
+    def convert(self, model, datamodule=None, output: str = "converted"):
+        """Profile, select and replace (no training); save the converted model in HF format.
+
+        Args:
+            output: Directory for the converted model (written atomically).
+        """
+        from rfkit.convert import save_converted
+
+        model.prepare(datamodule, callbacks=self.callbacks)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        out = save_converted(model.model, model.head_map, output, tokenizer)
+        print(f"converted model ({model.head_map.replaced_heads} of {model.head_map.total_heads} heads replaced) -> {out}")
+        return out
+
+
+class RFKitCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        base = dict(LightningCLI.subcommands())
+        base.pop("predict", None)
+        base["profile"] = {"model", "datamodule"}
+        base["convert"] = {"model", "datamodule"}
+        return base
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        from rfkit.callbacks import CacheMonitor, PerplexityMonitor, RunSummary
+
+        parser.add_lightning_class_args(PerplexityMonitor, "perplexity")
+        parser.add_lightning_class_args(CacheMonitor, "cache")
+        parser.add_lightning_class_args(RunSummary, "summary")
+        parser.link_arguments("model.base_model", "data.tokenizer")
+
+
+def load_plugins() -> None:
+    """Import every module registered under the ``rfkit.plugins`` entry-point group, so that
+    their policies and operators can be named by short class name in recipes."""
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            ep.load()
+        except Exception as err:  # a broken plugin is the user's to fix: name it
+            dist = getattr(ep.dist, "name", "?")
+            raise RFKitError(f"plugin '{ep.name}' from package '{dist}' failed to import: {one_line(err)}") from None
+
+
+def _check_config_files(args: list[str]) -> None:
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        if value is not None and not Path(value).exists():
+            raise RFKitError(f"--config: file '{value}' does not exist")
+
+
+def main(args: list[str] | None = None) -> None:
+    from rfkit.module import RecurFormerModule
+    from rfkit.data import TextDataModule
+
+    args = sys.argv[1:] if args is None else list(args)
+    logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        _check_config_files(args)
+        load_plugins()
+        RFKitCLI(
+            RecurFormerModule,
+            TextDataModule,
+            trainer_class=RFTrainer,
+            parser_class=RFArgumentParser,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    except RFKitError as err:
+        sys.stderr.write(f"rfkit: error: {one_line(err)}\n")
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The conversion pipeline as plain functions: load, profile, select, replace.
+
+``rfkit fit`` runs these inside :class:`rfkit.module.RecurFormerModule`; ``rfkit profile`` and
+``rfkit convert`` run them without a training loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from rfkit.headmap import HeadMap, load_profile, save_profile
+from rfkit.hub import cache_dir, resolve_model
+from rfkit.layout import AttentionLayout
+from rfkit.operators import ReplacementOperator
+from rfkit.policies import HeadSelectionPolicy
+from rfkit.profile import profile_heads
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_config(name: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=trust_remote_code)
+
+
+def load_base_model(name: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """Load a causal LM (weights from safetensors only) and check its attention layout."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(name)
+    config = load_config(name, trust_remote_code)
+    AttentionLayout.from_config(config)  # fail on an unknown layout before loading weights
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    return model
+
+
+def profile_cache_path(model_name: str, data_fingerprint: str, settings: dict, samples: int) -> Path:
+    key = json.dumps({"model": model_name, "data": data_fingerprint, "samples": samples, **settings}, sort_keys=True)
+    return cache_dir() / "profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def build_head_map(
+    model,
+    model_name: str,
+    policy: HeadSelectionPolicy,
+    datamodule=None,
+    reuse: bool = True,
+    progress: bool = True,
+) -> HeadMap:
+    """Profile the heads (or reuse a cached profile) and apply ``policy``."""
+    layout = AttentionLayout.from_config(model.config)
+    profile = None
+    data_info = {}
+    settings = policy.profile_settings()
+    if settings is not None:
+        if datamodule is None:
+            raise ValueError(f"{type(policy).__name__} needs calibration data (a data section)")
+        datamodule.setup("fit")
+        data_info = datamodule.describe()
+        path = profile_cache_path(model_name, datamodule.fingerprint(), settings, len(datamodule.calibration))
+        if reuse and path.exists():
+            log.info("reusing head profile %s", path)
+            profile = load_profile(path)
+        else:
+            profile = profile_heads(model, datamodule.calibration_dataloader(), progress=progress, **settings)
+            save_profile(profile, path)
+    selected = policy.select(layout, profile)
+    return HeadMap.build(model_name, layout, profile, selected, policy, data_info)
+
+
+def parameter_delta(model_before_counts: dict, model_after) -> tuple[int, int]:
+    """Parameters (added, removed) between two ``{name: numel}`` maps of the same model."""
+    after = {n: p.numel() for n, p in model_after.named_parameters()}
+    added = sum(v for n, v in after.items() if n not in model_before_counts)
+    removed = sum(v for n, v in model_before_counts.items() if n not in after)
+    for n in after.keys() & model_before_counts.keys():
+        delta = after[n] - model_before_counts[n]
+        added, removed = added + max(delta, 0), removed + max(-delta, 0)
+    return added, removed
+
+
+def convert(model, head_map: HeadMap, operator: ReplacementOperator):
+    """Replace the selected heads in place; returns the converted (``rf_*``) model."""
+    from rfkit.modeling import to_recurformer
+
+    head_map.check_layout(AttentionLayout.from_config(model.config))
+    return to_recurformer(model, head_map.selected, operator)
+
+
+def param_counts(model) -> dict:
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def save_converted(model, head_map: HeadMap, out_dir: str | Path, tokenizer=None) -> Path:
+    """Save a converted model as an HF directory (safetensors + config + head map + tokenizer).
+
+    Written into a temporary sibling directory and renamed into place, so a crash never
+    leaves a half-written model; an existing directory at ``out_dir`` is replaced.
+    """
+    import shutil
+    import tempfile
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        head_map.save(tmp / "head_map.json")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,275 @@
+"""The RecurFormer attention layer (paper Algorithm 1) and the converted HF model classes.
+
+Inside one attention layer, with query heads split into kept (att) and replaced (m)::
+
+    V     = W_V X                      # values of all KV heads (W_V kept whole)
+    Q     = W_Q^part X                 # query projection of kept heads only
+    K     = W_K^part X                 # key projection of the KV heads that kept heads use
+    X_att = Attention(Q, K, V[att])
+    X_m   = Mixer(V[m])                # all replaced heads of the layer in one block
+    out   = W_O concat(X_att, X_m)     # W_O kept whole, columns stored as [kept..., replaced...]
+
+``W_O``'s input columns are permuted once at conversion so that the kept heads' and the
+replaced heads' outputs are simply concatenated, instead of scattered back to head order on
+every forward. The cache holds K/V of the kept KV heads only; the mixer's constant-size state
+lives beside it (see :mod:`rfkit.cache`).
+
+Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mistral`` /
+``rf_qwen2``, registered with the Auto classes when ``rfkit`` is imported, so
+``AutoModelForCausalLM.from_pretrained(dir)`` restores them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from rfkit.cache import mixer_state_store
+from rfkit.layout import AttentionLayout
+from rfkit.operators import ReplacementOperator
+
+log = logging.getLogger(__name__)
+
+
+def _biases(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias) of the family's attention projections."""
+    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
+    if model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
+    window = getattr(config, "sliding_window", None)
+    if model_type == "qwen2":
+        types = getattr(config, "layer_types", None)
+        return window if types is not None and types[layer_idx] == "sliding_attention" else None
+    if model_type == "mistral":
+        return window
+    return None
+
+
+class RecurFormerAttention(nn.Module):
+    """An attention layer whose ``replaced`` query heads run through one mixer block."""
+
+    def __init__(self, config, layer_idx: int, replaced: list[int], operator: ReplacementOperator):
+        super().__init__()
+        layout = AttentionLayout.from_config(config)
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim, self.num_heads = layout.head_dim, layout.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
+        self.is_causal = True
+        self.sliding_window = _sliding_window(config, layer_idx)
+
+        replaced = sorted(set(replaced))
+        kept = [h for h in range(layout.num_heads) if h not in replaced]
+        kept_kv = sorted({layout.kv_head_of(h) for h in kept})
+        mixer_kv = sorted({layout.kv_head_of(h) for h in replaced})
+        self.kept_heads, self.replaced_heads = kept, replaced
+        self.kept_kv_heads, self.mixer_kv_heads = kept_kv, mixer_kv
+
+        # Kept query heads per kept KV head. When every kept KV head serves the same number of
+        # kept query heads (always so for kv_group selection), attention uses GQA directly;
+        # otherwise K/V are gathered per query head.
+        per_kv = [sum(layout.kv_head_of(h) == g for h in kept) for g in kept_kv]
+        self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
+        self._gather = bool(per_kv) and len(set(per_kv)) != 1
+        self.register_buffer(
+            "kv_for_query", torch.tensor([kept_kv.index(layout.kv_head_of(h)) for h in kept], dtype=torch.long),
+            persistent=False,
+        )
+        self.register_buffer("kept_kv_index", torch.tensor(kept_kv, dtype=torch.long), persistent=False)
+        self.register_buffer("mixer_kv_index", torch.tensor(mixer_kv, dtype=torch.long), persistent=False)
+
+        qkv_bias, o_bias = _biases(config)
+        hd, hidden = layout.head_dim, layout.hidden_size
+        self.q_proj = nn.Linear(hidden, len(kept) * hd, bias=qkv_bias) if kept else None
+        self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
+        self.v_proj = nn.Linear(hidden, layout.num_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
+        self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
+
+    # -- conversion -------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_from_attention(self, attn: nn.Module) -> None:
+        """Copy the pretrained projections of an HF attention module (sliced / permuted)."""
+        hd = self.head_dim
+
+        def rows(weight, heads):
+            return torch.cat([weight[h * hd : (h + 1) * hd] for h in heads]) if heads else weight[:0]
+
+        if self.q_proj is not None:
+            self.q_proj.weight.copy_(rows(attn.q_proj.weight, self.kept_heads))
+            self.k_proj.weight.copy_(rows(attn.k_proj.weight, self.kept_kv_heads))
+            if self.q_proj.bias is not None:
+                self.q_proj.bias.copy_(rows(attn.q_proj.bias, self.kept_heads))
+                self.k_proj.bias.copy_(rows(attn.k_proj.bias, self.kept_kv_heads))
+        self.v_proj.load_state_dict(attn.v_proj.state_dict())
+        order = self.kept_heads + self.replaced_heads
+        self.o_proj.weight.copy_(torch.cat([attn.o_proj.weight[:, h * hd : (h + 1) * hd] for h in order], dim=1))
+        if self.o_proj.bias is not None:
+            self.o_proj.bias.copy_(attn.o_proj.bias)
+        self.to(attn.v_proj.weight.device)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        B, L, _ = hidden_states.shape
+        hd = self.head_dim
+        values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
+        outputs = []
+        if self.q_proj is not None:
+            query = self.q_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hq_kept, L, hd)
+            key = self.k_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hkv_kept, L, hd)
+            value = values.index_select(2, self.kept_kv_index).transpose(1, 2)  # (B, Hkv_kept, L, hd)
+            cos, sin = position_embeddings
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, self.layer_idx)
+            if self._gather:
+                key, value = key.index_select(1, self.kv_for_query), value.index_select(1, self.kv_for_query)
+            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_out, _ = attention(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
+            outputs.append(attn_out.reshape(B, L, -1))  # (B, L, Hq_kept * hd)
+        elif past_key_values is not None:
+            # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
+            empty = values.new_zeros(B, 0, L, hd)
+            past_key_values.update(empty, empty, self.layer_idx)
+        mixer_in = values.index_select(2, self.mixer_kv_index).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        outputs.append(self._mix(mixer_in, past_key_values))  # (B, L, Hq_m * hd)
+        return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
+
+    def _mix(self, x: torch.Tensor, cache) -> torch.Tensor:
+        if cache is None:
+            return self.mixer(x)
+        store = mixer_state_store(cache)
+        state = store.get(self.layer_idx)
+        if state is None:
+            out, state = self.mixer(x, return_states=True)
+        elif x.shape[1] == 1:
+            out, *state = self.mixer.step(x, *state)
+        else:
+            out, state = self.mixer(x, *state, return_states=True)
+        store[self.layer_idx] = tuple(state)
+        return out
+
+
+# -- conversion of a loaded model -------------------------------------------------------------
+def decoder_layers(model) -> nn.ModuleList:
+    return model.get_decoder().layers
+
+
+def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator) -> None:
+    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer."""
+    layers = decoder_layers(model)
+    for layer_idx, heads in enumerate(selected):
+        if not heads:
+            continue
+        old = layers[layer_idx].self_attn
+        new = RecurFormerAttention(model.config, layer_idx, heads, operator)
+        new.to(dtype=old.v_proj.weight.dtype)
+        new.load_from_attention(old)
+        layers[layer_idx].self_attn = new
+
+
+# -- HF classes for converted models ----------------------------------------------------------
+_FAMILIES = {}
+
+
+def _family_classes(base_config_cls, base_model_cls, family: str):
+    class RFConfig(base_config_cls):
+        model_type = f"rf_{family}"
+
+        def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type=family, **kwargs):
+            super().__init__(**kwargs)
+            self.rf_selected = rf_selected or []
+            self.rf_operator = rf_operator or {}
+            self.rf_base_model_type = rf_base_model_type
+
+    class RFForCausalLM(base_model_cls):
+        config_class = RFConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            if config.rf_selected:
+                convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
+
+    RFConfig.__name__ = RFConfig.__qualname__ = f"RecurFormer{base_config_cls.__name__}"
+    RFForCausalLM.__name__ = RFForCausalLM.__qualname__ = f"RecurFormer{base_model_cls.__name__}"
+    return RFConfig, RFForCausalLM
+
+
+def _register_families() -> None:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    for family, cfg_cls, model_cls in (
+        ("llama", LlamaConfig, LlamaForCausalLM),
+        ("mistral", MistralConfig, MistralForCausalLM),
+        ("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    ):
+        rf_cfg, rf_model = _family_classes(cfg_cls, model_cls, family)
+        globals()[rf_cfg.__name__], globals()[rf_model.__name__] = rf_cfg, rf_model
+        rf_cfg.__module__ = rf_model.__module__ = __name__
+        AutoConfig.register(rf_cfg.model_type, rf_cfg, exist_ok=True)
+        AutoModelForCausalLM.register(rf_cfg, rf_model, exist_ok=True)
+        _FAMILIES[family] = (rf_cfg, rf_model)
+
+
+_register_families()
+
+
+def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperator):
+    """Convert a loaded HF model in place and turn it into its ``rf_*`` class; returns it."""
+    layout = AttentionLayout.from_config(model.config)
+    rf_cfg_cls, rf_model_cls = _FAMILIES[layout.model_type]
+    convert_attention(model, selected, operator)
+    old = model.config
+    fields = {k: v for k, v in old.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    new = rf_cfg_cls(rf_selected=[list(s) for s in selected], rf_operator=operator.to_dict(), **fields)
+    new._attn_implementation = old._attn_implementation
+    new.architectures = [rf_model_cls.__name__]
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
+    model.__class__ = rf_model_cls
+    model.config = new
+    return model
+
+
+def clone_config(config):
+    return copy.deepcopy(config)

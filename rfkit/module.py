@@ -1,0 +1,211 @@
+"""A thin LightningModule: convert a pretrained model, then train it with next-token loss.
+
+Policy, operator, optimizer and scheduler are injected from the recipe. The conversion runs
+in :meth:`configure_model`, so that the datamodule (calibration data) and the callbacks
+(which measure the original model first) are in place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from rfkit.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
+from rfkit.headmap import HeadMap
+from rfkit.hub import SourceError, is_embedded, looks_like_path
+from rfkit.layout import AttentionLayout, LayoutError
+from rfkit.operators import MambaOperator, ReplacementOperator
+from rfkit.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
+
+log = logging.getLogger(__name__)
+
+FREEZE_PRESETS = ("pretrained", "none", "all")
+
+
+def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL in float32 (log-softmax via cross_entropy) and the token count."""
+    shift_logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return nll, targets.numel()
+
+
+class RecurFormerModule(L.LightningModule):
+    """Convert ``base_model`` with ``policy`` and ``operator``, then continue training it.
+
+    Args:
+        base_model: HF model id, local directory, or ``embedded:smollm2-135m-instruct``.
+        policy: Which heads to replace (a ``HeadSelectionPolicy`` subclass).
+        operator: What replaced heads become (a ``ReplacementOperator`` subclass).
+        freeze: ``pretrained`` trains only the new blocks; ``none`` trains everything;
+            ``all`` trains nothing; or a list of glob patterns of parameter names to freeze
+            (for example ``["model.embed_tokens.*", "lm_head.*"]``).
+        head_map: Path of an existing ``head_map.json`` to use instead of profiling.
+        reuse_profile: Reuse a cached profile for the same model, data and settings.
+        dtype: Weight dtype the base model loads in.
+        trust_remote_code: Passed to transformers; off unless you trust the model's code.
+        optimizer: Optimizer factory, called with the trainable parameters (default AdamW, lr 1e-3).
+        lr_scheduler: Optional scheduler factory, called with the optimizer; stepped per step.
+    """
+
+    def __init__(
+        self,
+        base_model: str = "embedded:smollm2-135m-instruct",
+        policy: HeadSelectionPolicy | None = None,
+        operator: ReplacementOperator | None = None,
+        freeze: str | list[str] = "pretrained",
+        head_map: str | None = None,
+        reuse_profile: bool = True,
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        trust_remote_code: bool = False,
+        optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
+    ):
+        super().__init__()
+        self.base_model = base_model
+        self.policy = policy if policy is not None else RecencyRatioPolicy()
+        self.operator = operator if operator is not None else MambaOperator()
+        if not isinstance(self.policy, HeadSelectionPolicy):
+            raise PolicyError(f"model.policy: {type(self.policy).__name__} is not a HeadSelectionPolicy subclass")
+        if not isinstance(self.operator, ReplacementOperator):
+            raise PolicyError(f"model.operator: {type(self.operator).__name__} is not a ReplacementOperator subclass")
+        if isinstance(freeze, str) and freeze not in FREEZE_PRESETS:
+            raise PolicyError(
+                f"model.freeze: {freeze!r} is not allowed; allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
+            )
+        self.freeze = freeze
+        self.head_map_path = head_map
+        if head_map is not None and not Path(head_map).exists():
+            raise SourceError(f"model.head_map: path '{head_map}' does not exist")
+        self.reuse_profile = reuse_profile
+        self.dtype_name = dtype
+        self.trust_remote_code = trust_remote_code
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        check_model_source(base_model, trust_remote_code)
+
+        self.model = None
+        self.head_map: HeadMap | None = None
+        self.run_metrics: dict = {}  # filled by callbacks and by this module; summary.json reads it
+        self.train_tokens = 0
+        self.started = time.time()
+
+    # -- conversion ---------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        self.prepare(datamodule, callbacks=self.trainer.callbacks if self._trainer is not None else [])
+
+    def prepare(self, datamodule=None, callbacks=()) -> None:
+        """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
+        ``on_after_convert`` see the original and the converted model."""
+        model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
+        if self.head_map_path:
+            head_map = HeadMap.load(self.head_map_path)
+        else:
+            head_map = build_head_map(model, self.base_model, self.policy, datamodule, reuse=self.reuse_profile)
+        self.model = model
+        for cb in callbacks:
+            if hasattr(cb, "on_before_convert"):
+                cb.on_before_convert(self, datamodule)
+        before = param_counts(model)
+        self.model = convert(model, head_map, self.operator)
+        self.head_map = head_map
+        added, removed = parameter_delta(before, self.model)
+        self.run_metrics.update(
+            params_added=added,
+            params_removed=removed,
+            replaced_heads=head_map.replaced_heads,
+            total_heads=head_map.total_heads,
+        )
+        log.info(
+            "replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed
+        )
+        apply_freeze(self.model, self.freeze)
+        for cb in callbacks:
+            if hasattr(cb, "on_after_convert"):
+                cb.on_after_convert(self, datamodule)
+
+    # -- training -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def _nll(self, batch) -> tuple[torch.Tensor, int]:
+        ids = batch["input_ids"]
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        return summed_nll(logits, ids)
+
+    def training_step(self, batch, batch_idx):
+        nll, n = self._nll(batch)
+        loss = nll / n
+        self.train_tokens += batch["input_ids"].numel()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        nll, n = self._nll(batch)
+        self.log("val_loss", nll / n, prog_bar=True)
+        return {"nll_sum": nll.detach(), "tokens": n}
+
+    def test_step(self, batch, batch_idx):
+        nll, n = self._nll(batch)
+        self.log("test_loss", nll / n)
+        return {"nll_sum": nll.detach(), "tokens": n}
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise PolicyError("model.freeze: no parameter is left to train; use freeze: pretrained or none")
+        factory = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        optimizer = factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+def apply_freeze(model, freeze: str | list[str]) -> None:
+    """Set ``requires_grad`` per the ``freeze`` setting (see :class:`RecurFormerModule`)."""
+    for name, param in model.named_parameters():
+        if freeze == "none":
+            param.requires_grad_(True)
+        elif freeze == "all":
+            param.requires_grad_(False)
+        elif freeze == "pretrained":
+            param.requires_grad_(".mixer." in name)
+        else:
+            param.requires_grad_(not any(fnmatch.fnmatch(name, pattern) for pattern in freeze))
+
+
+def check_model_source(name: str, trust_remote_code: bool = False) -> None:
+    """Cheap checks before anything loads: a local path exists and its layout is supported."""
+    if is_embedded(name):
+        from rfkit.hub import EMBEDDED_MODEL
+
+        if name != EMBEDDED_MODEL:
+            raise SourceError(f"model.base_model: unknown embedded model '{name}'; allowed: {EMBEDDED_MODEL}")
+        return
+    if looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise SourceError(f"model.base_model: path '{name}' does not exist")
+        if not (path / "config.json").exists():
+            raise SourceError(f"model.base_model: '{name}' has no config.json (not a HF model directory)")
+        import json
+
+        from transformers import AutoConfig
+
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        try:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError) as err:
+            raise LayoutError(f"model.base_model: cannot read the config of '{name}' (model_type {model_type!r}): {err}")
+        AttentionLayout.from_config(config)

@@ -1,0 +1,176 @@
+"""Head profiling (paper section 3.1): recency ratio RR and recency-aware index RA-I.
+
+For head h and one sample with causal softmax attention A[h, i, j]::
+
+    RR_h = sum_{|i-j| <= k} A[h, i, j] / sum_{i, j} A[h, i, j]
+
+With first-token exclusion, row 0 and column 0 are left out of both sums, so heads that park
+attention on token 0 (an attention sink) are judged by where the rest of their attention goes.
+A head's RA-I counts the samples in which RR_h > alpha.
+
+The attention is never materialised for the whole model: profiling swaps in an attention
+function (registered with transformers' ``AttentionInterface``) that computes each layer's
+output in query chunks and accumulates the RR sums on the way, so peak memory is
+O(chunk x L) for one layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from rfkit.layout import AttentionLayout
+
+log = logging.getLogger(__name__)
+
+PROFILE_ATTENTION = "rfkit_recency_profile"
+
+
+def recency_mask(q_positions: torch.Tensor, L: int, window: int, exclude_first_token: bool):
+    """Masks for the RR numerator and denominator over rows ``q_positions`` and all L columns."""
+    i = q_positions[:, None]  # (c, 1)
+    j = torch.arange(L, device=q_positions.device)[None, :]  # (1, L)
+    causal = j <= i
+    denom = causal
+    if exclude_first_token:
+        denom = denom & (j >= 1) & (i >= 1)
+    numer = denom & (i - j <= window)
+    return numer, denom
+
+
+def recency_ratio(attn: torch.Tensor, window: int, exclude_first_token: bool = True) -> torch.Tensor:
+    """RR per head from full attention matrices ``attn`` (..., H, L, L) -> (..., H).
+
+    The reference definition, used by tests and for small inputs.
+    """
+    L = attn.shape[-1]
+    numer, denom = recency_mask(torch.arange(L, device=attn.device), L, window, exclude_first_token)
+    a = attn.float()
+    return (a * numer).sum((-1, -2)) / (a * denom).sum((-1, -2)).clamp_min(1e-30)
+
+
+@dataclass
+class HeadProfile:
+    """RR statistics of every query head over the calibration set."""
+
+    window: int
+    alpha: float
+    exclude_first_token: bool
+    seq_len: int
+    samples: int
+    rai: list[list[int]]  # (layers, query heads): samples with RR > alpha
+    rr_mean: list[list[float]]  # (layers, query heads)
+    meta: dict = field(default_factory=dict)
+
+
+class _RecencyCollector:
+    def __init__(self, layout: AttentionLayout, window: int, alpha: float, exclude_first_token: bool, chunk: int):
+        self.layout, self.window, self.alpha = layout, window, alpha
+        self.exclude_first_token, self.chunk = exclude_first_token, chunk
+        shape = (layout.num_layers, layout.num_heads)
+        self.rai = torch.zeros(shape, dtype=torch.long)
+        self.rr_sum = torch.zeros(shape, dtype=torch.float64)
+        self.samples = 0
+
+    def attend(self, module, query, key, value, scaling: float):
+        """Causal attention in query chunks; accumulates RR. query (B, H, L, d), key/value (B, Hkv, L, d)."""
+        B, H, L, _ = query.shape
+        rep = H // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1) if rep > 1 else key
+        value = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+        out = torch.empty_like(query)
+        numer = torch.zeros(B, H, dtype=torch.float64, device=query.device)
+        denom = torch.zeros_like(numer)
+        for start in range(0, L, self.chunk):
+            rows = torch.arange(start, min(L, start + self.chunk), device=query.device)
+            scores = torch.matmul(query[:, :, rows], key.transpose(-1, -2)).float() * scaling  # (B, H, c, L)
+            scores = scores.masked_fill(rows[:, None] < torch.arange(L, device=query.device)[None, :], float("-inf"))
+            probs = scores.softmax(-1)
+            out[:, :, rows] = torch.matmul(probs.to(value.dtype), value)
+            n_mask, d_mask = recency_mask(rows, L, self.window, self.exclude_first_token)
+            numer += (probs * n_mask).sum((-1, -2)).double()
+            denom += (probs * d_mask).sum((-1, -2)).double()
+        rr = (numer / denom.clamp_min(1e-30)).cpu()  # (B, H)
+        layer = module.layer_idx
+        self.rai[layer] += (rr > self.alpha).sum(0)
+        self.rr_sum[layer] += rr.sum(0)
+        if layer == 0:
+            self.samples += B
+        return out.transpose(1, 2).contiguous()  # (B, L, H, d) as HF attention functions return
+
+
+_ACTIVE: _RecencyCollector | None = None
+
+
+def _profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if _ACTIVE is None:
+        raise RuntimeError("rfkit profiling attention called outside profile_heads()")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return _ACTIVE.attend(module, query, key, value, scaling), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PROFILE_ATTENTION, _profile_attention)
+    try:  # the mask is not used (blocks are unpadded; causality is applied above), but must be built
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(PROFILE_ATTENTION, sdpa_mask)
+    except ImportError:  # older transformers without a mask registry
+        pass
+
+
+@contextmanager
+def _profiling(model, collector):
+    global _ACTIVE
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PROFILE_ATTENTION)
+    _ACTIVE = collector
+    try:
+        yield
+    finally:
+        _ACTIVE = None
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def profile_heads(
+    model,
+    batches,
+    window: int,
+    alpha: float,
+    exclude_first_token: bool = True,
+    chunk: int = 128,
+    progress: bool = True,
+) -> HeadProfile:
+    """Run calibration ``batches`` (dicts with ``input_ids`` (B, L)) through ``model``; return RR stats."""
+    layout = AttentionLayout.from_config(model.config)
+    collector = _RecencyCollector(layout, window, alpha, exclude_first_token, chunk)
+    device = next(model.parameters()).device
+    seq_len = 0
+    was_training = model.training
+    model.eval()
+    with _profiling(model, collector):
+        for batch in tqdm(batches, desc="profiling heads", disable=not progress, unit="batch"):
+            ids = batch["input_ids"].to(device)
+            seq_len = ids.shape[1]
+            model(input_ids=ids, use_cache=False)
+    model.train(was_training)
+    if collector.samples == 0:
+        raise ValueError("profiling got no calibration samples")
+    rr_mean = (collector.rr_sum / collector.samples).tolist()
+    return HeadProfile(
+        window=window,
+        alpha=alpha,
+        exclude_first_token=exclude_first_token,
+        seq_len=seq_len,
+        samples=collector.samples,
+        rai=collector.rai.tolist(),
+        rr_mean=[[round(v, 6) for v in row] for row in rr_mean],
+    )
