@@ -351,13 +351,7 @@ def _load_tokenizer(name: str):
     """``AutoTokenizer`` for a model id, local directory or embedded name."""
     from transformers import AutoTokenizer
 
-    try:
-        path = resolve_model(name)
-    except SourceError as e:
-        msg = str(e)
-        if msg.startswith("model.base_model: "):
-            msg = "data.tokenizer: " + msg[len("model.base_model: "):]
-        raise SourceError(msg) from None
+    path = resolve_model(name)  # its SourceError names model.base_model, which the CLI links here
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -640,6 +634,7 @@ class TextDataModule(L.LightningDataModule):
             os.close(fd)
             try:
                 torch.save(data, tmp)
+                os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is not secret
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
@@ -677,7 +672,7 @@ class TextDataModule(L.LightningDataModule):
             blocks = data[name]
             if blocks.shape[0] == 0:
                 raise SourceError(
-                    f"data.split: the {name} split of '{self.source}' has no complete block of {self.seq_len} tokens "
+                    f"data.seq_len: the {name} split of '{self.source}' has no complete block of {self.seq_len} tokens "
                     f"({self._documents.get(name, 0)} documents); use a smaller data.seq_len, a larger data.split "
                     "fraction or more text"
                 )

@@ -81,6 +81,7 @@ def _materialise_embedded_model(target: Path) -> None:
         # The dequantised copy is an ordinary fp32 checkpoint: drop the GGUF quantisation note.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        model.hf_quantizer = None  # the GGUF "quantizer" only marks the origin; the weights are fp32
         model.config._name_or_path = EMBEDDED_MODEL
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
