@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -33,11 +34,46 @@ def one_line(message) -> str:
     return " ".join(str(message).split())
 
 
+_KEY = re.compile(r'Parser key "([^"]+)"')
+_CLASS_PROBLEM = re.compile(r"Problem with given class_path '([^']+)': (.*?)(?: - Expected| Given value|$)")
+_NOT_SUBCLASS = re.compile(r"Import path (\S+) does not correspond to a subclass of (\w+)")
+
+
+def tidy_parse_error(message) -> str:
+    """jsonargparse's messages, shortened to one line that names the field and what is allowed."""
+    text = one_line(message)
+    key = _KEY.search(text)
+    field = key.group(1) if key else None
+    for pattern, fmt in (
+        (_CLASS_PROBLEM, "class '{0}' cannot be used: {1}"),
+        (_NOT_SUBCLASS, "'{0}' is not a subclass of {1}"),
+    ):
+        found = pattern.search(text)
+        if found:
+            detail = fmt.format(*found.groups())
+            return f"{field}: {detail}" if field else detail
+    if key:
+        rest = text[key.end() :].lstrip(": ")
+        return f"{field}: {rest}"
+    return text
+
+
+def user_error(err: BaseException) -> RFKitError | None:
+    """The RFKitError behind ``err`` (jsonargparse wraps errors raised in __init__), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, RFKitError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 class RFArgumentParser(LightningArgumentParser):
     """Prints parse errors as one line (no usage dump) and exits 2."""
 
     def error(self, message, *args, **kwargs):
-        sys.stderr.write(f"rfkit: error: {one_line(message)}\n")
+        sys.stderr.write(f"rfkit: error: {tidy_parse_error(message)}\n")
         raise SystemExit(2)
 
 
@@ -117,12 +153,12 @@ def main(args: list[str] | None = None) -> None:
     from rfkit.module import RecurFormerModule
     from rfkit.data import TextDataModule
 
-    args = sys.argv[1:] if args is None else list(args)
+    argv = sys.argv[1:] if args is None else list(args)
     logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
         sys.path.insert(0, os.getcwd())
     try:
-        _check_config_files(args)
+        _check_config_files(argv)
         load_plugins()
         RFKitCLI(
             RecurFormerModule,
@@ -134,8 +170,11 @@ def main(args: list[str] | None = None) -> None:
             args=args,
             auto_configure_optimizers=False,
         )
-    except RFKitError as err:
-        sys.stderr.write(f"rfkit: error: {one_line(err)}\n")
+    except ValueError as err:
+        found = user_error(err)
+        if found is None:
+            raise
+        sys.stderr.write(f"rfkit: error: {one_line(found)}\n")
         raise SystemExit(2) from None
 
 

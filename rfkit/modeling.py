@@ -84,12 +84,10 @@ class RecurFormerAttention(nn.Module):
         per_kv = [sum(layout.kv_head_of(h) == g for h in kept) for g in kept_kv]
         self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
         self._gather = bool(per_kv) and len(set(per_kv)) != 1
-        self.register_buffer(
-            "kv_for_query", torch.tensor([kept_kv.index(layout.kv_head_of(h)) for h in kept], dtype=torch.long),
-            persistent=False,
-        )
-        self.register_buffer("kept_kv_index", torch.tensor(kept_kv, dtype=torch.long), persistent=False)
-        self.register_buffer("mixer_kv_index", torch.tensor(mixer_kv, dtype=torch.long), persistent=False)
+        # Index lists as plain attributes, not buffers: from_pretrained builds modules on the
+        # meta device and would leave non-persistent buffers uninitialised.
+        self.kv_for_query = [kept_kv.index(layout.kv_head_of(h)) for h in kept]
+        self._index_cache: dict = {}
 
         qkv_bias, o_bias = _biases(config)
         hd, hidden = layout.head_dim, layout.hidden_size
@@ -137,13 +135,14 @@ class RecurFormerAttention(nn.Module):
         if self.q_proj is not None:
             query = self.q_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hq_kept, L, hd)
             key = self.k_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hkv_kept, L, hd)
-            value = values.index_select(2, self.kept_kv_index).transpose(1, 2)  # (B, Hkv_kept, L, hd)
+            value = values.index_select(2, self._index("kept_kv_heads", values.device)).transpose(1, 2)  # (B, Hkv_kept, L, hd)
             cos, sin = position_embeddings
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)
             if self._gather:
-                key, value = key.index_select(1, self.kv_for_query), value.index_select(1, self.kv_for_query)
+                gather = self._index("kv_for_query", key.device)
+                key, value = key.index_select(1, gather), value.index_select(1, gather)
             attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -163,9 +162,15 @@ class RecurFormerAttention(nn.Module):
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
             empty = values.new_zeros(B, 0, L, hd)
             past_key_values.update(empty, empty, self.layer_idx)
-        mixer_in = values.index_select(2, self.mixer_kv_index).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
         outputs.append(self._mix(mixer_in, past_key_values))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
+
+    def _index(self, name: str, device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._index_cache:
+            self._index_cache[key] = torch.tensor(getattr(self, name), dtype=torch.long, device=device)
+        return self._index_cache[key]
 
     def _mix(self, x: torch.Tensor, cache) -> torch.Tensor:
         if cache is None:

@@ -17,6 +17,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jsonargparse import lazy_instance
 
 from rfkit.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
 from rfkit.headmap import HeadMap
@@ -59,8 +60,8 @@ class RecurFormerModule(L.LightningModule):
     def __init__(
         self,
         base_model: str = "embedded:smollm2-135m-instruct",
-        policy: HeadSelectionPolicy | None = None,
-        operator: ReplacementOperator | None = None,
+        policy: HeadSelectionPolicy = lazy_instance(RecencyRatioPolicy),
+        operator: ReplacementOperator = lazy_instance(MambaOperator),
         freeze: str | list[str] = "pretrained",
         head_map: str | None = None,
         reuse_profile: bool = True,
@@ -71,8 +72,7 @@ class RecurFormerModule(L.LightningModule):
     ):
         super().__init__()
         self.base_model = base_model
-        self.policy = policy if policy is not None else RecencyRatioPolicy()
-        self.operator = operator if operator is not None else MambaOperator()
+        self.policy, self.operator = policy, operator
         if not isinstance(self.policy, HeadSelectionPolicy):
             raise PolicyError(f"model.policy: {type(self.policy).__name__} is not a HeadSelectionPolicy subclass")
         if not isinstance(self.operator, ReplacementOperator):
@@ -131,6 +131,7 @@ class RecurFormerModule(L.LightningModule):
             "replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed
         )
         apply_freeze(self.model, self.freeze)
+        self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
         for cb in callbacks:
             if hasattr(cb, "on_after_convert"):
                 cb.on_after_convert(self, datamodule)

@@ -66,6 +66,10 @@ class MambaOperator(ReplacementOperator):
         dt_rank: Rank of the time-step projection, or "auto".
         use_fast_path: "auto" uses mamba-ssm's fused CUDA kernels when installed and on CUDA,
             "always" requires them, "never" uses the pure-PyTorch scan.
+        zero_init_output: Start with ``out_proj`` at zero, so the converted model begins as the
+            original with the replaced heads silenced rather than with random noise in their
+            place; training then grows the block's contribution. ``false`` is the paper's
+            plain random initialisation.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class MambaOperator(ReplacementOperator):
         expand: int = 2,
         dt_rank: int | str = "auto",
         use_fast_path: str = "auto",
+        zero_init_output: bool = True,
     ):
         self.d_state = _positive_int("d_state", d_state)
         self.d_conv = _positive_int("d_conv", d_conv)
@@ -87,6 +92,7 @@ class MambaOperator(ReplacementOperator):
                 f"model.operator.use_fast_path: {use_fast_path!r} is not allowed; allowed: auto, always, never"
             )
         self.use_fast_path = use_fast_path
+        self.zero_init_output = bool(zero_init_output)
 
     def init_args(self) -> dict:
         return {
@@ -95,9 +101,15 @@ class MambaOperator(ReplacementOperator):
             "expand": self.expand,
             "dt_rank": self.dt_rank,
             "use_fast_path": self.use_fast_path,
+            "zero_init_output": self.zero_init_output,
         }
 
     def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
         from rfkit.mamba import MambaBlock
 
-        return MambaBlock(d_in, d_out, layer_idx=layer_idx, **self.init_args())
+        args = self.init_args()
+        zero = args.pop("zero_init_output")
+        block = MambaBlock(d_in, d_out, layer_idx=layer_idx, **args)
+        if zero:
+            nn.init.zeros_(block.out_proj.weight)
+        return block

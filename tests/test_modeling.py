@@ -19,7 +19,7 @@ FAMILIES = [("llama", 4, 4), ("llama", 4, 2), ("qwen2", 4, 2), ("mistral", 4, 1)
 
 
 def convert(model, selected):
-    return to_recurformer(model, selected, MambaOperator(d_state=4))
+    return to_recurformer(model, selected, MambaOperator(d_state=4, zero_init_output=False))
 
 
 def zero_heads_reference(model, selected):
@@ -118,3 +118,12 @@ def test_save_and_load_restore_identical_logits(tmp_path, family):
     ids = random_ids()
     torch.testing.assert_close(loaded(ids).logits, converted(ids).logits, atol=0, rtol=0)
     assert HeadMap.load(out / "head_map.json").selected == selected
+
+
+def test_zero_initialised_output_starts_from_the_silenced_heads():
+    model = tiny_model("llama", 4, 2)
+    selected = [[0, 1], [2, 3]]
+    ids = random_ids()
+    reference = zero_heads_reference(model, selected)(ids).logits
+    converted = to_recurformer(model, selected, MambaOperator(d_state=4))  # zero_init_output defaults on
+    torch.testing.assert_close(converted(ids).logits, reference, atol=1e-5, rtol=1e-5)
