@@ -39,3 +39,36 @@ def tiny_llama():
 def random_ids(batch: int = 2, length: int = 24, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, TINY["vocab_size"], (batch, length), generator=g)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama (2 layers, width 64, GQA 4/2) saved as an HF directory together with
+    the real SmolLM2 tokenizer, so the CLI path (tokenise, profile, convert) runs in seconds."""
+    from transformers import AutoTokenizer
+
+    from rfkit.hub import EMBEDDED_MODEL, resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_MODEL))
+    torch.manual_seed(0)
+    config = LlamaConfig(**dict(TINY, vocab_size=len(tokenizer)), num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A local JSONL corpus: enough text for calibration, validation and training blocks."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "the a river city music war king light north ancient modern small great people water".split()
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(400):
+            text = " ".join(rng.choice(words) for _ in range(60))
+            f.write(json.dumps({"title": f"doc {i}", "text": text}) + "\n")
+    return path

@@ -1,0 +1,40 @@
+"""callbacks/ and recipes/ ship inside the wheel as rfkit.callbacks and rfkit.recipes."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    wheel = next(tmp_path.glob("rfkit-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "rfkit/callbacks/__init__.py" in names and "rfkit/callbacks/perplexity.py" in names
+    assert "rfkit/recipes/smollm2_b05.yaml" in names
+    assert not any(name.startswith("callbacks/") for name in names)
+
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    # Run from an empty directory with only the installed wheel ahead of site-packages.
+    probe = "import rfkit.callbacks, rfkit; print(rfkit.callbacks.__file__); print(rfkit.callbacks.PerplexityMonitor.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout.split()  # fmt: skip
+    assert out[0].startswith(str(site)) and out[1] == "PerplexityMonitor"
+
+
+def test_import_rfkit_does_not_import_cuda_only_packages():
+    probe = "import sys, rfkit; print(sorted(m for m in ('mamba_ssm', 'causal_conv1d', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]"
