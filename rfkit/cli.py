@@ -150,8 +150,8 @@ def _check_config_files(args: list[str]) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    from rfkit.module import RecurFormerModule
     from rfkit.data import TextDataModule
+    from rfkit.module import RecurFormerModule
 
     argv = sys.argv[1:] if args is None else list(args)
     logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")

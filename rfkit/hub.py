@@ -8,14 +8,14 @@ HF directory (safetensors) under the user cache dir; later runs load that in sec
 
 from __future__ import annotations
 
-from rfkit.errors import RFKitError
-
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from rfkit.errors import RFKitError
 
 log = logging.getLogger(__name__)
 

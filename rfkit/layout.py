@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rfkit.errors import RFKitError
-
 from dataclasses import dataclass
+
+from rfkit.errors import RFKitError
 
 # model_type -> whether q/k/v projections carry a bias. These families share the HF attention
 # module shape (q_proj, k_proj, v_proj, o_proj; RoPE; GQA through num_key_value_heads).

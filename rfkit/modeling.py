@@ -21,7 +21,6 @@ Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mist
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 
@@ -29,7 +28,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import (
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 from rfkit.cache import mixer_state_store
 from rfkit.layout import AttentionLayout
@@ -274,7 +276,3 @@ def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperat
     model.__class__ = rf_model_cls
     model.config = new
     return model
-
-
-def clone_config(config):
-    return copy.deepcopy(config)

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 
-from rfkit.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
+from rfkit.convert import (
+    build_head_map,
+    convert,
+    load_base_model,
+    param_counts,
+    parameter_delta,
+)
 from rfkit.headmap import HeadMap
 from rfkit.hub import SourceError, is_embedded, looks_like_path
 from rfkit.layout import AttentionLayout, LayoutError

@@ -14,22 +14,24 @@ replaced heads' outputs ``(B, L, d_out)`` in their original head order. Its call
 
 from __future__ import annotations
 
-from rfkit.errors import RFKitError
-
 import importlib
+from abc import ABC, abstractmethod
 
 from torch import nn
+
+from rfkit.errors import RFKitError
 
 
 class OperatorError(RFKitError):
     """A bad operator setting. One line for the user, naming the field."""
 
 
-class ReplacementOperator:
+class ReplacementOperator(ABC):
     """Base class for operators."""
 
+    @abstractmethod
     def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must implement build()")
+        """Implemented by every subclass."""
 
     def init_args(self) -> dict:
         """The keyword arguments that rebuild this operator (saved in converted model configs)."""

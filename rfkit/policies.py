@@ -7,11 +7,11 @@ its ``init_args`` against ``__init__``. That is the whole plugin mechanism.
 
 from __future__ import annotations
 
-from rfkit.errors import RFKitError
-
 import math
+from abc import ABC, abstractmethod
 from typing import Literal
 
+from rfkit.errors import RFKitError
 from rfkit.layout import AttentionLayout
 from rfkit.profile import HeadProfile
 
@@ -23,7 +23,7 @@ class PolicyError(RFKitError):
 Selection = list[list[int]]  # per layer, sorted replaced query-head indices
 
 
-class HeadSelectionPolicy:
+class HeadSelectionPolicy(ABC):
     """Base class. Subclasses implement :meth:`select`.
 
     Args:
@@ -42,8 +42,9 @@ class HeadSelectionPolicy:
         """Settings for profiling, or None when no profile is needed."""
         return None
 
+    @abstractmethod
     def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:
-        raise NotImplementedError(f"{type(self).__name__} must implement select()")
+        """Implemented by every subclass."""
 
     def describe(self) -> dict:
         return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "beta": self.beta}
