@@ -127,3 +127,15 @@ def test_zero_initialised_output_starts_from_the_silenced_heads():
     reference = zero_heads_reference(model, selected)(ids).logits
     converted = to_recurformer(model, selected, MambaOperator(d_state=4))  # zero_init_output defaults on
     torch.testing.assert_close(converted(ids).logits, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family, heads, kv", [("llama", 4, 2), ("qwen2", 4, 2)])
+def test_greedy_generate_equals_the_argmax_chain_of_full_forwards(family, heads, kv):
+    """generate() with its default cache: kept heads' K/V plus the mixer state ride along."""
+    model = convert(tiny_model(family, heads, kv), [[0, 1], [0, 1, 2, 3]])
+    ids = random_ids(1, 6)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seq = ids
+    for _ in range(6):
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
