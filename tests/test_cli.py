@@ -180,3 +180,42 @@ def test_console_script_exit_code_and_single_line(tmp_path):
 def test_tidy_parse_error_keeps_the_field():
     msg = 'Parser key "model.policy":\n  Does not validate ... Problem with given class_path \'x.Y\': No module named \'x\'\n - Expected'
     assert tidy_parse_error(msg) == "model.policy: class 'x.Y' cannot be used: No module named 'x'"
+
+
+def test_validate_subcommand_converts_and_reports_perplexity(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    code, out, err = run_cli(["validate", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path)], capsys)
+    assert code == 0, err
+    assert "val_ppl" in out and "val_loss" in out
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, target, dist="my-rfkit-plugin"):
+        self.name, self._target = name, target
+        self.dist = type("Dist", (), {"name": dist})()
+
+    def load(self):
+        return self._target()
+
+
+def test_plugins_are_imported_before_parsing(monkeypatch):
+    import rfkit.cli
+
+    loaded = []
+    monkeypatch.setattr(rfkit.cli, "entry_points", lambda group: [_FakeEntryPoint("ok", lambda: loaded.append(group))])
+    rfkit.cli.load_plugins()
+    assert loaded == ["rfkit.plugins"]
+
+
+def test_a_plugin_that_fails_to_import_is_named(monkeypatch, capsys):
+    import rfkit.cli
+
+    def broken():
+        raise ImportError("No module named 'missing_dependency'")
+
+    monkeypatch.setattr(rfkit.cli, "entry_points", lambda group: [_FakeEntryPoint("entropy", broken)])
+    code, out, err = run_cli(["fit", "--config", SMOLLM], capsys)
+    assert code == 2
+    assert err.strip() == (
+        "rfkit: error: plugin 'entropy' from package 'my-rfkit-plugin' failed to import: "
+        "No module named 'missing_dependency'"
+    )
