@@ -107,25 +107,11 @@ def save_converted(model, head_map: HeadMap, out_dir: str | Path, tokenizer=None
     Written into a temporary sibling directory and renamed into place, so a crash never
     leaves a half-written model; an existing directory at ``out_dir`` is replaced.
     """
-    import shutil
-    import tempfile
+    from rfkit.atomic import atomic_directory
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         head_map.save(tmp / "head_map.json")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)

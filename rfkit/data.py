@@ -27,9 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
@@ -37,6 +35,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rfkit.atomic import atomic_write
 from rfkit.hub import (
     EMBEDDED_DATA,
     EMBEDDED_MODEL,
@@ -629,16 +628,7 @@ class TextDataModule(L.LightningDataModule):
 
     def _save_cache(self, path: Path, data: dict[str, Any]) -> None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=path.parent)
-            os.close(fd)
-            try:
-                torch.save(data, tmp)
-                os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is not secret
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            atomic_write(path, lambda tmp: torch.save(data, tmp))
         except OSError as e:
             log.warning("could not write the data cache %s (%s); continuing without it", path, _one_line(e))
 

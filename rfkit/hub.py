@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from rfkit.atomic import atomic_directory
 from rfkit.errors import RFKitError
 
 log = logging.getLogger(__name__)
@@ -73,9 +72,7 @@ def _materialise_embedded_model(target: Path) -> None:
 
     gguf = embedded_gguf()
     log.info("dequantising %s once into %s (about 30 s)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    with atomic_directory(target, replace=False) as tmp:  # a concurrent copy is as good
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # The dequantised copy is an ordinary fp32 checkpoint: drop the GGUF quantisation note.
@@ -85,14 +82,6 @@ def _materialise_embedded_model(target: Path) -> None:
         model.config._name_or_path = EMBEDDED_MODEL
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():  # lost a race with another process: theirs is as good
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model(name_or_path: str) -> str:
