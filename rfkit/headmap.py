@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rfkit.atomic import atomic_write
-from rfkit.layout import AttentionLayout
+from rfkit.layout import AttentionLayout, LayoutError
 from rfkit.profile import HeadProfile
 
 
@@ -87,8 +87,9 @@ class HeadMap:
         mine = (self.num_layers, self.num_heads, self.num_kv_heads)
         theirs = (layout.num_layers, layout.num_heads, layout.num_kv_heads)
         if mine != theirs:
-            raise ValueError(
-                f"head map is for (layers, heads, kv_heads) = {mine}, the model has {theirs}"
+            raise LayoutError(
+                f"model.head_map: the head map is for (layers, heads, kv_heads) = {mine} "
+                f"({self.model}); the model has {theirs}"
             )
 
     def save(self, path: str | os.PathLike) -> None:

@@ -219,3 +219,16 @@ def test_a_plugin_that_fails_to_import_is_named(monkeypatch, capsys):
         "rfkit: error: plugin 'entropy' from package 'my-rfkit-plugin' failed to import: "
         "No module named 'missing_dependency'"
     )
+
+
+def test_a_head_map_for_another_model_is_a_one_line_error(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    wrong = {"model": "other", "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "window": 4, "alpha": 0.5,
+             "beta": 0.5, "exclude_first_token": True, "seq_len": 32, "samples": 4, "rai": [], "rr_mean": [],
+             "selected": [[0, 1, 2]] + [[]] * 29}  # fmt: skip
+    (tmp_path / "other.json").write_text(json.dumps(wrong))
+    args = tiny_args(tiny_model_dir, tiny_corpus, tmp_path)
+    code, out, err = run_cli(["convert", *args, "--model.head_map", str(tmp_path / "other.json"),
+                              "--output", str(tmp_path / "x")], capsys)  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("rfkit: error: model.head_map: the head map is for (layers, heads, kv_heads) = (30, 9, 3)")
+    assert not (tmp_path / "x").exists()
