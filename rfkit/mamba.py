@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfkit import cpu_kernels
+from rfkit.cpu_kernels import selective_scan_cpu
+
 log = logging.getLogger(__name__)
 
 # Optional fused kernels. Any failure while importing them (missing package, CUDA/ABI mismatch
@@ -64,7 +67,8 @@ DEFAULT_CHUNK_SIZE = 8
 
 _LOGGED_PATHS: set[str] = set()
 _MSG_FUSED = "mamba: fused CUDA kernels (mamba_ssm)"
-_MSG_TORCH = "mamba: pure-PyTorch chunked scan"
+_MSG_TORCH = "mamba: pure-PyTorch scan"
+_MSG_CPU = "mamba: compiled CPU scan kernel (inference)"
 
 
 def fused_kernels_available() -> bool:
@@ -277,6 +281,104 @@ def selective_scan_chunked(
     return (y, h) if return_last_state else y
 
 
+# Largest exponent the prefix-sum scan lets exp() see, per compute dtype (exp overflows at ~88.7
+# in float32 and ~709.8 in float64); the margin leaves room for the sums of many such terms.
+_PREFIX_EXP_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
+PREFIX_CHUNK_SIZES = (64, 32, 16, 8, 4, 2, 1)
+
+
+def _prefix_chunk_size(delta, neg_a_max: float, limit: float, length: int) -> int | None:
+    """Largest chunk length whose decay exponents (chunk sum of delta times max |A|) stay within
+    ``limit``; None when even single tokens exceed it."""
+    for T in PREFIX_CHUNK_SIZES:
+        if T > 1 and T >= 2 * length:
+            continue
+        pad = (-length) % T
+        d = F.pad(delta, (0, pad)) if pad else delta
+        worst = d.reshape(*d.shape[:-1], -1, T).sum(-1).amax().item() if d.numel() else 0.0
+        if worst * neg_a_max <= limit:
+            return T
+    return None
+
+
+def selective_scan_prefix(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus=False,
+    initial_state=None,
+    return_last_state=False,
+    chunk_size: int | None = None,
+):
+    """Selective scan in pure PyTorch as prefix sums: O(L * D * N) work in a few large ops.
+
+    Same arguments and results as :func:`selective_scan_ref`; differentiable. This is the scan
+    the block runs on CPU (and on GPU without mamba_ssm). Inside a chunk of T tokens, with
+    a_t = delta_1 + ... + delta_t counted from the chunk start and E_t = exp(-A * a_t) >= 1::
+
+        h_t = (h_0 + sum_{s<=t} E_s * delta_s * B_s * u_s) / E_t
+
+    which is one ``cumsum`` over all chunks at once; only the chunk-start states h_0 are carried
+    sequentially, one small (B, D, N) update per chunk. Rounding stays relative to the newest
+    term, so the sum is as accurate as the recurrence, as long as E never overflows: the chunk
+    length (``chunk_size`` or the largest of 64, 32, ..., 1 that fits) is chosen so that
+    max|A| * (sum of delta over a chunk) stays below 60 in float32 (600 in float64). When even
+    single tokens exceed that, it falls back to :func:`selective_scan_chunked`, which has no
+    such limit but does O(T) times more work.
+    """
+    _check_scan_shapes(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    in_dtype = u.dtype
+    cdt = _compute_dtype(in_dtype)
+    bsz, dim, length = u.shape
+    n = A.shape[1]
+    delta_f = _prepare_delta(delta, delta_bias, delta_softplus, cdt)  # (B, D, L)
+    neg_a = -A.to(cdt)  # (D, N), >= 0 in Mamba
+    limit = _PREFIX_EXP_LIMIT[cdt]
+    neg_a_max = float(neg_a.detach().amax()) if neg_a.numel() else 0.0
+    if neg_a.numel() and float(neg_a.detach().amin()) < 0:
+        T = None  # a growing mode (A > 0) has no overflow-free prefix form
+    elif chunk_size is not None:
+        T = _check_positive_int("chunk_size", chunk_size)
+        worst = _prefix_chunk_size(delta_f.detach(), neg_a_max, limit, length)
+        T = T if worst is not None and T <= worst else worst
+    else:
+        T = _prefix_chunk_size(delta_f.detach(), neg_a_max, limit, length)
+    if T is None:
+        return selective_scan_chunked(
+            u, delta_f, A, B, C, D, z, initial_state=initial_state, return_last_state=return_last_state
+        )
+
+    uf = u.to(cdt)
+    pad = (-length) % T
+    nc = (length + pad) // T
+    # Padded tokens have delta = 0 and no input: they neither decay nor change the state.
+    d = F.pad(delta_f, (0, pad)).view(bsz, dim, nc, T)  # (B, D, nc, T)
+    x = F.pad(delta_f * uf, (0, pad)).view(bsz, dim, nc, T)  # (B, D, nc, T): delta_s * u_s
+    Bt = F.pad(B.to(cdt), (0, pad)).view(bsz, n, nc, T).permute(0, 2, 3, 1)  # (B, nc, T, N)
+    Ct = F.pad(C.to(cdt), (0, pad)).view(bsz, n, nc, T).permute(0, 2, 3, 1)  # (B, nc, T, N)
+
+    a = torch.cumsum(d, dim=-1)  # (B, D, nc, T), inclusive, from the chunk start
+    E = torch.exp(a[..., None] * neg_a[:, None, None, :])  # (B, D, nc, T, N), in [1, e^limit]
+    S = torch.cumsum(E * x[..., None] * Bt[:, None], dim=-2)  # (B, D, nc, T, N)
+
+    h = uf.new_zeros((bsz, dim, n)) if initial_state is None else initial_state.to(cdt)  # (B, D, N)
+    starts = []
+    E_end, S_end = E[:, :, :, -1], S[:, :, :, -1]  # (B, D, nc, N)
+    for c in range(nc):
+        starts.append(h)
+        h = (h + S_end[:, :, c]) / E_end[:, :, c]
+    H0 = torch.stack(starts, dim=2)  # (B, D, nc, N): state before each chunk
+    H = (S + H0[:, :, :, None]) / E  # (B, D, nc, T, N): every state
+    y = torch.einsum("bdctn,bctn->bdct", H, Ct).reshape(bsz, dim, nc * T)[:, :, :length]  # (B, D, L)
+    y = _finish_output(y, uf, D, z, cdt).to(in_dtype)
+    return (y, h) if return_last_state else y
+
+
 def _check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -422,8 +524,21 @@ class MambaBlock(nn.Module):
                     f"use use_fast_path='auto' or 'never'."
                 )
             fast = True
-        _log_path_once(_MSG_FUSED if fast else _MSG_TORCH)
+        if fast:
+            _log_path_once(_MSG_FUSED)
         return fast
+
+    def _cpu_kernel(self, ref: torch.Tensor, inputs: torch.Tensor) -> bool:
+        """Whether the compiled CPU scan runs: CPU, float32/16 (not float64), no gradient needed,
+        use_fast_path != "never", and the kernel built (see :mod:`rfkit.cpu_kernels`)."""
+        if self.use_fast_path == "never" or ref.device.type != "cpu" or ref.dtype == torch.float64:
+            return False
+        if torch.is_grad_enabled() and (inputs.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        if not cpu_kernels.available():
+            return False
+        _log_path_once(_MSG_CPU)
+        return True
 
     # ------------------------------------------------------------------ caches
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None):
@@ -520,8 +635,12 @@ class MambaBlock(nn.Module):
                 delta_softplus=False,
                 return_last_state=return_states,
             )
+        elif self._cpu_kernel(xc, hidden_states):
+            y, last = selective_scan_cpu(xc, delta, A, Bm, Cm, D, z=z, initial_state=ssm_state)
+            res = (y.to(xc.dtype), last) if return_states else y.to(xc.dtype)
         else:
-            res = selective_scan_chunked(
+            _log_path_once(_MSG_TORCH)
+            res = selective_scan_prefix(
                 xc,
                 delta,
                 A,
@@ -569,6 +688,8 @@ class MambaBlock(nn.Module):
         cdt = _compute_dtype(x.dtype)
         A = -torch.exp(self.A_log.to(cdt))  # (d_inner, N)
 
+        if not fast:
+            _log_path_once(_MSG_TORCH)
         if fast:
             x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, activation="silu")  # (B, d_inner)
         else:

@@ -478,7 +478,7 @@ def test_path_is_logged_once_per_process(monkeypatch, caplog):
         conv, ssm = blk.allocate_inference_cache(1)
         blk.step(torch.randn(1, 8), conv, ssm)
     msgs = [r.getMessage() for r in caplog.records if r.name == "rfkit.mamba"]
-    assert msgs == ["mamba: pure-PyTorch chunked scan"]
+    assert msgs == ["mamba: pure-PyTorch scan"]
 
 
 def _import_fresh_copy(monkeypatch, name="rfkit_mamba_isolated"):
