@@ -513,3 +513,137 @@ def test_import_survives_a_broken_kernel_install(monkeypatch, tmp_path):
     assert "rfkit[cuda]" in str(info.value)
     for pkg in ("mamba_ssm", "causal_conv1d"):
         sys.modules.pop(pkg, None)
+
+
+# --------------------------------------------------------------------------- prefix-sum scan
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_prefix_matches_reference_outputs_and_grads(dtype, with_init):
+    names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
+    for length in (1, 5, 31, 64, 100):
+        tensors = _scan_inputs(2, 3, 4, length, dtype, seed=length)
+        y_ref, h_ref, g_ref = _outputs_and_grads(selective_scan_ref, tensors, softplus=True, with_init=with_init)
+        for chunk in (None, 1, 4, 64):
+            y, h, g = _outputs_and_grads(
+                rm.selective_scan_prefix, tensors, softplus=True, with_init=with_init, chunk_size=chunk
+            )
+            ctx = f"L={length} chunk={chunk} {dtype} init={with_init}"
+            assert y.dtype == dtype
+            torch.testing.assert_close(y, y_ref, **_tol(dtype), msg=lambda m: f"y {ctx}: {m}")
+            torch.testing.assert_close(h, h_ref, **_tol(dtype), msg=lambda m: f"state {ctx}: {m}")
+            for name, a, b in zip(names, g, g_ref):
+                torch.testing.assert_close(a, b, **_tol(dtype, grad=True), msg=lambda m: f"grad {name} {ctx}: {m}")
+
+
+def test_prefix_chunk_length_shrinks_to_keep_exp_finite():
+    delta = torch.full((1, 2, 256), 0.01)
+    assert rm._prefix_chunk_size(delta, 16.0, 60.0, 256) == 64  # 64 * 0.01 * 16 = 10.2
+    assert rm._prefix_chunk_size(delta * 20, 16.0, 60.0, 256) == 16  # 16 * 0.2 * 16 = 51.2
+    assert rm._prefix_chunk_size(delta * 500, 16.0, 60.0, 256) is None  # one token: 80 > 60
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prefix_large_delta_times_A_falls_back_and_stays_exact(dtype, monkeypatch):
+    # |delta * A| up to 80 (float32) / 800 (float64) per token: the prefix form would overflow
+    # exp even for one token, so the exact pairwise scan must take over.
+    delta_max = 5.0 if dtype == torch.float32 else 50.0
+    tensors = _scan_inputs(2, 4, 6, 50, dtype, delta_max=delta_max, a_min=-16.0, seed=7)
+    calls = []
+    real = rm.selective_scan_chunked
+    monkeypatch.setattr(rm, "selective_scan_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y_ref, h_ref = _run_scan(selective_scan_ref, tensors, softplus=False, with_init=True)
+    y, h = _run_scan(rm.selective_scan_prefix, tensors, softplus=False, with_init=True)
+    assert calls, "the exact fallback did not run"
+    assert torch.isfinite(y).all() and torch.isfinite(h).all()
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+    torch.testing.assert_close(h, h_ref, **_tol(dtype))
+
+
+# --------------------------------------------------------------------------- compiled CPU kernel
+from rfkit import cpu_kernels  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels.unavailable_reason()}"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("optional", [True, False])
+def test_cpu_kernel_matches_reference(with_init, optional):
+    for length in (1, 7, 130):
+        u, delta, A, B, C, D, z, _, h0 = _scan_inputs(2, 5, 16, length, torch.float32, delta_max=0.5, seed=length)
+        kw = {"D": D, "z": z} if optional else {}
+        init = h0 if with_init else None
+        ref = [t.double() for t in (u, delta, A, B, C)]
+        y_ref, h_ref = selective_scan_ref(
+            *ref,
+            **{k: v.double() for k, v in kw.items()},
+            initial_state=None if init is None else init.double(),
+            return_last_state=True,
+        )
+        y, h = cpu_kernels.selective_scan_cpu(u, delta, A, B, C, initial_state=init, **kw)
+        assert y.dtype == torch.float32 and y.shape == u.shape and h.shape == (2, 5, 16)
+        torch.testing.assert_close(y.double(), y_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h.double(), h_ref, atol=1e-4, rtol=1e-4)
+        if init is not None:
+            assert not torch.equal(h, init)  # the given state is not updated in place
+
+
+@needs_kernel
+def test_cpu_kernel_thread_split_equals_one_thread():
+    u, delta, A, B, C, D, z, _, h0 = _scan_inputs(3, 7, 16, 600, torch.float32, delta_max=0.3, seed=3)
+    torch.set_num_threads(1)
+    y1, h1 = cpu_kernels.selective_scan_cpu(u, delta, A, B, C, D, z, h0)
+    torch.set_num_threads(3)
+    try:
+        y3, h3 = cpu_kernels.selective_scan_cpu(u, delta, A, B, C, D, z, h0)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(y1, y3) and torch.equal(h1, h3)
+
+
+@needs_kernel
+def test_block_uses_cpu_kernel_only_without_grad(monkeypatch, caplog):
+    monkeypatch.setattr(rm, "_LOGGED_PATHS", set())
+    calls = []
+    real = rm.selective_scan_cpu
+    monkeypatch.setattr(rm, "selective_scan_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    blk = MambaBlock(8, 6, use_fast_path="auto")
+    x = torch.randn(2, 11, 8)
+    with caplog.at_level(logging.INFO, logger="rfkit.mamba"):
+        train_out, train_states = blk(x, return_states=True)  # parameters need grad: PyTorch scan
+        assert not calls
+        with torch.no_grad():
+            out, states = blk(x, return_states=True)
+    assert calls == [1]
+    torch.testing.assert_close(out, train_out.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(states, train_states):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "rfkit.mamba"]
+    assert msgs == ["mamba: pure-PyTorch scan", "mamba: compiled CPU scan kernel (inference)"]
+    never = MambaBlock(8, 6, use_fast_path="never")
+    with torch.no_grad():
+        never(x)
+    assert calls == [1]
+
+
+def test_cpu_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("RFKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "tried": False, "error": None})
+    with caplog.at_level(logging.WARNING, logger="rfkit.cpu_kernels"):
+        assert not cpu_kernels.available()
+    assert "no C compiler" in cpu_kernels.unavailable_reason()
+    assert any("using the PyTorch scan" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_kernels.selective_scan_cpu(*_scan_inputs(1, 2, 4, 3, torch.float32)[:5])
+    blk = MambaBlock(4, 4)
+    with torch.no_grad():
+        assert torch.isfinite(blk(torch.randn(1, 5, 4))).all()  # the PyTorch scan ran instead
+    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_cpu_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("RFKIT_CPU_KERNEL", "0")
+    assert not cpu_kernels.available()
