@@ -5,6 +5,7 @@
     rfkit test     --config R.yaml
     rfkit profile  --config R.yaml --output head_map.json
     rfkit convert  --config R.yaml --output DIR       (no training)
+    rfkit bench    cache|speed --model DIR|R.yaml     cache bytes and tokens/s, original vs converted
 
 Recipes are LightningCLI YAML files; every Lightning override (``--trainer.max_steps 10``)
 works. Bad input gets one line on stderr naming the field, and exit code 2, before any model
@@ -157,6 +158,8 @@ def main(args: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
         sys.path.insert(0, os.getcwd())
+    if argv[:1] == ["bench"]:
+        raise SystemExit(_bench(argv[1:]))
     try:
         _check_config_files(argv)
         load_plugins()
@@ -176,6 +179,21 @@ def main(args: list[str] | None = None) -> None:
             raise
         sys.stderr.write(f"rfkit: error: {one_line(found)}\n")
         raise SystemExit(2) from None
+
+
+def _bench(argv: list[str]) -> int:
+    """``rfkit bench cache|speed`` (see :mod:`rfkit.bench`): one-line errors, exit code 2."""
+    from rfkit import bench
+
+    try:
+        load_plugins()
+        return bench.main(argv)
+    except (RFKitError, ValueError) as err:
+        found = err if isinstance(err, RFKitError) else user_error(err)
+        if found is None:
+            raise
+        sys.stderr.write(f"rfkit bench: error: {one_line(found)}\n")
+        return 2
 
 
 if __name__ == "__main__":
