@@ -14,6 +14,14 @@ replaced heads' outputs are simply concatenated, instead of scattered back to he
 every forward. The cache holds K/V of the kept KV heads only; the mixer's constant-size state
 lives beside it (see :mod:`rfkit.cache`).
 
+Padding: attention sees padding through the usual 4-D mask, but a recurrent mixer would fold
+pad tokens into its state. The converted ``*ForCausalLM.forward`` therefore hands the current
+chunk's 2-D token mask ``(B, L)`` down to every layer as the keyword :data:`TOKEN_MASK_KWARG`
+(transformers forwards unknown keywords from the CausalLM through the decoder model and layers
+to ``self_attn``), only when that chunk contains padding; the mixer then skips the pad tokens
+(``MambaBlock.forward(..., mask=...)``), so a left-padded prompt leaves the same state as the
+unpadded one. One-token decode steps never carry padding and keep using ``mixer.step``.
+
 Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mistral`` /
 ``rf_qwen2``, registered with the Auto classes when ``rfkit`` is imported, so
 ``AutoModelForCausalLM.from_pretrained(dir)`` restores them.
@@ -27,6 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
@@ -38,6 +47,26 @@ from rfkit.layout import AttentionLayout
 from rfkit.operators import ReplacementOperator
 
 log = logging.getLogger(__name__)
+
+# Keyword under which the converted CausalLM passes the current chunk's token mask (B, L), 1 for
+# real tokens, down to RecurFormerAttention. Present only when the chunk holds padding. A caller
+# may also pass it to ``forward`` / ``generate`` as a full 2-D mask (B, past + L), which then takes
+# precedence over ``attention_mask`` (generate does so itself for compileable caches, whose
+# ``attention_mask`` arrives already converted to 4-D).
+TOKEN_MASK_KWARG = "rf_token_mask"
+
+
+def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The last ``length`` columns of a 2-D token mask when they contain padding, else None.
+
+    None also for one-token chunks (decode steps cannot hold padding; the mixer's ``step`` runs)
+    and for masks that are not 2-D or shorter than the chunk. The padding check is one host sync
+    per forward of a multi-token chunk (prefill), none per decode step.
+    """
+    if mask is None or length <= 1 or mask.dim() != 2 or mask.shape[-1] < length:
+        return None
+    chunk = mask[:, -length:]
+    return None if bool(chunk.all()) else chunk
 
 
 def _biases(config) -> tuple[bool, bool]:
@@ -130,6 +159,9 @@ class RecurFormerAttention(nn.Module):
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        # (B, L) token mask of this chunk, set by the converted CausalLM only when it holds padding;
+        # popped so that the attention interface never sees it.
+        token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
         B, L, _ = hidden_states.shape
         hd = self.head_dim
         values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
@@ -164,8 +196,9 @@ class RecurFormerAttention(nn.Module):
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
             empty = values.new_zeros(B, 0, L, hd)
             past_key_values.update(empty, empty, self.layer_idx)
+            _count_headless_tokens(past_key_values, self.layer_idx)
         mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
-        outputs.append(self._mix(mixer_in, past_key_values))  # (B, L, Hq_m * hd)
+        outputs.append(self._mix(mixer_in, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
 
     def _index(self, name: str, device) -> torch.Tensor:
@@ -174,19 +207,52 @@ class RecurFormerAttention(nn.Module):
             self._index_cache[key] = torch.tensor(getattr(self, name), dtype=torch.long, device=device)
         return self._index_cache[key]
 
-    def _mix(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def _mix(self, x: torch.Tensor, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the mixer on x (B, L, d_in). ``mask`` (B, L), 1 for real tokens, is given only when
+        the chunk holds padding; it is then passed on as ``mixer(..., mask=mask)`` so pad tokens
+        leave the state untouched (mixers without padding support are never sent a mask for
+        unpadded input)."""
+        extra = {} if mask is None else {"mask": mask}
         if cache is None:
-            return self.mixer(x)
+            return self.mixer(x, **extra)
         store = mixer_state_store(cache)
         state = store.get(self.layer_idx)
         if state is None:
-            out, state = self.mixer(x, return_states=True)
+            out, state = self.mixer(x, return_states=True, **extra)
         elif x.shape[1] == 1:
+            # A decode step: one real token (padding only ever precedes a prompt).
             out, *state = self.mixer.step(x, *state)
         else:
-            out, state = self.mixer(x, *state, return_states=True)
+            out, state = self.mixer(x, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
         return out
+
+
+class _HeadlessDynamicLayer(DynamicLayer):
+    """The ``DynamicLayer`` of a layer with no kept heads: its K/V have zero heads.
+
+    ``DynamicLayer.get_seq_length`` answers 0 for empty (``numel() == 0``) tensors, so a
+    zero-head layer would report an empty cache. When that layer is layer 0, which is the one the
+    model asks for the past length, positions of later chunks restart at 0 (when ``position_ids``
+    are not given) and the 4-D mask built for decode steps covers 1 key instead of all of them
+    (left-padded ``generate`` then attends to pad tokens). This layer reports the number of tokens
+    recorded instead; everything else (crop, reorder, reset) is ``DynamicLayer``'s.
+    """
+
+    def get_seq_length(self) -> int:
+        keys = self.keys if self.is_initialized else None
+        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+
+
+def _count_headless_tokens(cache, layer_idx: int) -> None:
+    """Make the cache layer of a no-kept-heads layer count its tokens (see _HeadlessDynamicLayer).
+
+    Only plain ``DynamicLayer`` needs it: static and sliding layers count with
+    ``cumulative_length`` already.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
+        layers[layer_idx].__class__ = _HeadlessDynamicLayer
 
 
 # -- conversion of a loaded model -------------------------------------------------------------
@@ -228,6 +294,72 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             super().__init__(config)
             if config.rf_selected:
                 convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
+
+        # The explicit signature matters: generate() inspects forward's parameters (it only builds
+        # position_ids for left-padded batches when ``position_ids`` is one of them).
+        def forward(
+            self,
+            input_ids=None,
+            attention_mask=None,
+            position_ids=None,
+            past_key_values=None,
+            inputs_embeds=None,
+            labels=None,
+            use_cache=None,
+            logits_to_keep=0,
+            **kwargs,
+        ):
+            """The base model's forward, plus: the current chunk's 2-D token mask reaches the mixers
+            (as ``TOKEN_MASK_KWARG``) when the chunk contains padding."""
+            full_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
+            if full_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                full_mask = attention_mask
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
+            if chunk_mask is not None:
+                kwargs[TOKEN_MASK_KWARG] = chunk_mask
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+
+        def prepare_inputs_for_generation(
+            self,
+            input_ids,
+            next_sequence_length=None,
+            past_key_values=None,
+            attention_mask=None,
+            inputs_embeds=None,
+            is_first_iteration=False,
+            **kwargs,
+        ):
+            """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
+            does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
+            ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
+            inputs = super().prepare_inputs_for_generation(
+                input_ids,
+                next_sequence_length=next_sequence_length,
+                past_key_values=past_key_values,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                is_first_iteration=is_first_iteration,
+                **kwargs,
+            )
+            given = inputs.get("attention_mask")
+            if (
+                isinstance(attention_mask, torch.Tensor)
+                and attention_mask.dim() == 2
+                and not (isinstance(given, torch.Tensor) and given.dim() == 2)
+            ):
+                inputs[TOKEN_MASK_KWARG] = attention_mask
+            return inputs
 
     RFConfig.__name__ = RFConfig.__qualname__ = f"RecurFormer{base_config_cls.__name__}"
     RFForCausalLM.__name__ = RFForCausalLM.__qualname__ = f"RecurFormer{base_model_cls.__name__}"

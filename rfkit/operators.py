@@ -9,7 +9,9 @@ replaced heads' outputs ``(B, L, d_out)`` in their original head order. Its call
     out, state = mixer(x, *state, return_states=True)  # prefill or continue from a state
     out, *state = mixer.step(x, *state)              # one decode token
 
-``state`` is a tuple of tensors whose size does not grow with the sequence.
+``state`` is a tuple of tensors whose size does not grow with the sequence. When a chunk
+holds padding (a left-padded batch), the two forward calls also get ``mask=`` (B, L), 1 for
+real tokens; pad tokens must leave the state untouched. Unpadded input never sends a mask.
 """
 
 from __future__ import annotations
