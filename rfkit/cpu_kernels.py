@@ -1,10 +1,12 @@
-"""The CPU selective-scan kernel: C compiled once with the system compiler, called via ctypes.
+"""CPU Mamba kernels: C compiled once with the system compiler, called via ctypes.
 
 On CPU, a selective scan written in PyTorch ops pays for several passes over a
 (batch, dim, length, d_state) tensor, which is memory-bound and ate more time than the
 attention it replaces at 8k context. ``kernels/selective_scan.c`` runs the recurrence token by
 token with the state in registers and the d_state loop vectorised (glibc's vector ``expf``),
-which is more than 10x faster on the dev CPU.
+which is more than 10x faster on the dev CPU. The same file has the whole decode step between
+``in_proj`` and ``out_proj`` in one call, instead of about 25 small PyTorch ops per layer and
+token (their dispatch overhead, not their arithmetic, was the cost).
 
 * Built on first use with ``$CC`` (default ``cc``), cached under ``<rfkit cache>/kernels``
   keyed by the source, the flags and the machine, and renamed into place, so concurrent
@@ -32,9 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "selective_scan.c"
+_SOURCE = Path(__file__).with_name("kernels") / "mamba_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
-_SYMBOL = "rf_selective_scan_f32"
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "tried": False, "error": None}
@@ -49,7 +50,7 @@ def _library_path() -> Path:
     key = hashlib.sha1(
         "\0".join([_SOURCE.read_text(), cc, *_FLAGS, platform.machine(), platform.node(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"selective_scan-{key}.so"
+    return cache_dir() / "kernels" / f"mamba_cpu-{key}.so"
 
 
 def _cpu_flags() -> str:
@@ -93,10 +94,11 @@ def _load():
                 log.info("building the CPU selective-scan kernel -> %s", path)
                 _build(path)
             lib = ctypes.CDLL(str(path))
-            fn = getattr(lib, _SYMBOL)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
-            _state["lib"] = fn
+            lib.rf_selective_scan_f32.restype = None
+            lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
+            lib.rf_mamba_step_f32.restype = ctypes.c_int
+            lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
+            _state["lib"] = lib
         except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
             _state["error"] = f"{type(exc).__name__}: {exc}"
             log.warning("CPU selective-scan kernel unavailable (%s); using the PyTorch scan", _state["error"])
@@ -133,9 +135,10 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     Shapes as in :func:`rfkit.mamba.selective_scan_ref`, with ``delta`` already biased and
     passed through softplus. Raises RuntimeError when the kernel is not available.
     """
-    fn = _load()
-    if fn is None:
+    lib = _load()
+    if lib is None:
         raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
+    fn = lib.rf_selective_scan_f32
     f32 = torch.float32
     bsz, dim, length = u.shape
     n = A.shape[1]
@@ -165,3 +168,29 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
         for f in futures:
             f.result()
     return y, h
+
+
+@torch.no_grad()
+def mamba_step_cpu(block, xz: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """One decode token of ``block`` (a :class:`rfkit.mamba.MambaBlock`) from its ``in_proj``
+    output ``xz`` (B, 2 * d_inner); returns y (B, d_inner) before ``out_proj`` and updates
+    ``conv_state`` / ``ssm_state`` in place.
+
+    The caller guarantees float32, contiguous CPU weights and states (``MambaBlock._cpu_step``
+    checks); this runs once per layer and token, so it checks nothing twice.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU Mamba kernel unavailable: {_state['error'] or 'disabled'}")
+    xz = xz.to(torch.float32).contiguous()
+    y = torch.empty(xz.shape[0], block.d_inner, dtype=torch.float32)
+    conv_bias = block.conv1d.bias
+    rc = lib.rf_mamba_step_f32(
+        xz.data_ptr(), conv_state.data_ptr(), ssm_state.data_ptr(), block.conv1d.weight.data_ptr(),
+        None if conv_bias is None else conv_bias.data_ptr(), block.x_proj.weight.data_ptr(),
+        block.dt_proj.weight.data_ptr(), block.dt_proj.bias.data_ptr(), block.A_log.data_ptr(),
+        block.D.data_ptr(), y.data_ptr(), xz.shape[0], block.d_inner, block.d_conv, block.d_state, block.dt_rank,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("rf_mamba_step_f32 could not allocate its work buffer")
+    return y

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rfkit import cpu_kernels
-from rfkit.cpu_kernels import selective_scan_cpu
+from rfkit.cpu_kernels import mamba_step_cpu, selective_scan_cpu
 
 log = logging.getLogger(__name__)
 
@@ -540,6 +540,21 @@ class MambaBlock(nn.Module):
         _log_path_once(_MSG_CPU)
         return True
 
+    def _cpu_step(self, ref: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> bool:
+        """Whether the compiled CPU decode step runs: as :meth:`_cpu_kernel`, plus float32
+        weights and contiguous float32 states (the kernel updates them in place)."""
+        tensors = (
+            conv_state, ssm_state, self.conv1d.weight, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
+            self.A_log, self.D,
+        )  # fmt: skip
+        for t in tensors:
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                return False
+        bias = self.conv1d.bias
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return False
+        return self._cpu_kernel(ref, ref)
+
     # ------------------------------------------------------------------ caches
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None):
         """Zero (conv_state (B, d_inner, d_conv), ssm_state (B, d_inner, d_state)).
@@ -606,7 +621,7 @@ class MambaBlock(nn.Module):
         new_conv_state = None
         if return_states:
             old = conv_state.to(x.dtype) if conv_state is not None else x.new_zeros((bsz, self.d_inner, self.d_conv))
-            new_conv_state = torch.cat([old, x[:, :, -self.d_conv :]], dim=-1)[:, :, -self.d_conv :]
+            new_conv_state = torch.cat([old, x[:, :, -self.d_conv :]], dim=-1)[:, :, -self.d_conv :].contiguous()
             new_conv_state = new_conv_state.to(conv_state.dtype if conv_state is not None else self.conv1d.weight.dtype)
 
         # --- input-dependent SSM parameters
@@ -683,6 +698,9 @@ class MambaBlock(nn.Module):
         fast = self._fast(hidden_states)
 
         xz = self.in_proj(hidden_states)  # (B, 2*d_inner)
+        if not fast and self._cpu_step(hidden_states, conv_state, ssm_state):
+            y = mamba_step_cpu(self, xz, conv_state, ssm_state)  # (B, d_inner); states updated in place
+            return self.out_proj(y.to(hidden_states.dtype))[:, None, :], conv_state, ssm_state
         x, z = xz.chunk(2, dim=-1)  # (B, d_inner) each
         weight = self._conv_weight()  # (d_inner, d_conv)
         cdt = _compute_dtype(x.dtype)

@@ -647,3 +647,47 @@ def test_cpu_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 def test_cpu_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("RFKIT_CPU_KERNEL", "0")
     assert not cpu_kernels.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("conv_bias", [True, False])
+def test_cpu_decode_step_equals_the_pytorch_step(conv_bias):
+    torch.manual_seed(0)
+    blk = MambaBlock(12, 10, dt_rank=3, conv_bias=conv_bias).eval()
+    with torch.no_grad():
+        blk.dt_proj.bias.add_(torch.randn(blk.d_inner))  # include softplus' linear region (> 20) too
+        blk.dt_proj.bias[0] = 25.0
+        blk.out_proj.weight.normal_()
+    x = torch.randn(3, 7, 12)
+    states = {}
+    for mode in ("auto", "never"):
+        blk.use_fast_path = mode
+        conv, ssm = blk.allocate_inference_cache(3)
+        with torch.no_grad():
+            outs = [blk.step(x[:, t], conv, ssm)[0] for t in range(7)]
+        states[mode] = (torch.cat(outs, dim=1), conv, ssm)
+    for a, b in zip(states["auto"], states["never"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert states["auto"][2].abs().sum() > 0
+
+
+@needs_kernel
+def test_cpu_decode_step_is_used_only_for_float32_without_grad(monkeypatch):
+    calls = []
+    real = rm.mamba_step_cpu
+    monkeypatch.setattr(rm, "mamba_step_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    blk = MambaBlock(8, 8)
+    conv, ssm = blk.allocate_inference_cache(1)
+    blk.step(torch.randn(1, 8), conv, ssm)  # parameters need grad
+    with torch.no_grad():
+        blk.double().step(torch.randn(1, 8, dtype=torch.float64), *blk.allocate_inference_cache(1))
+        assert not calls
+        blk.float().step(torch.randn(1, 8), *blk.allocate_inference_cache(1))
+    assert calls == [1]
+
+
+def test_prefill_states_are_contiguous_for_the_in_place_decode_step():
+    blk = MambaBlock(8, 8)
+    with torch.no_grad():
+        _, (conv, ssm) = blk(torch.randn(2, 5, 8), return_states=True)
+    assert conv.is_contiguous() and ssm.is_contiguous()
