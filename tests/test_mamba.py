@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
+import shutil
 import sys
 
 import pytest
@@ -562,8 +564,10 @@ def test_prefix_large_delta_times_A_falls_back_and_stays_exact(dtype, monkeypatc
 # --------------------------------------------------------------------------- compiled CPU kernel
 from rfkit import cpu_kernels  # noqa: E402
 
+# Only a machine without a C compiler skips these; with one, a kernel that fails to build fails
+# the tests (the kernel functions raise when it is unavailable).
 needs_kernel = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels.unavailable_reason()}"
+    shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on PATH to build the CPU kernel"
 )
 
 
