@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from rfkit.errors import RFKitError
+from rfkit.loading import DTYPE_NAMES, OneLineParser, check_output_file, converted_from_recipe, torch_device
+from rfkit.loading import check_model_spec as _check_spec
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +72,11 @@ def parse_bytes(text: str, flag: str = "--max-input") -> int:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """argparse with one-line errors and exit code 2 (no usage dump)."""
 
-    def error(self, message):
-        message = " ".join(message.split())
-        found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
-        if found:
-            hint = " (a memory budget, like 512MiB or 2GB)" if found.group(1) == "--max-input" else ""
-            message = f"{found.group(1)}: needs a value{hint}"
-        raise BenchError(message)
+    error_class = BenchError
+    value_hints = {"--max-input": " (a memory budget, like 512MiB or 2GB)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,50 +115,8 @@ class ModelPair:
 
 
 def check_model_spec(spec: str) -> str:
-    """Cheap checks before anything loads: 'directory' or 'recipe', else a BenchError."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        config = path / "config.json"
-        if not config.exists():
-            raise BenchError(f"--model: '{spec}' is not a model directory (no config.json)")
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError) as err:
-            raise BenchError(f"--model: cannot read {config}: {' '.join(str(err).split())}") from None
-        if not str(model_type).startswith("rf_"):
-            raise BenchError(
-                f"--model: '{spec}' holds a '{model_type}' model, not an rfkit-converted one; "
-                "give the output of `rfkit convert` / `rfkit fit`, or a recipe"
-            )
-        if not (path / "head_map.json").exists():
-            raise BenchError(f"--model: '{spec}' has no head_map.json, so its base model is unknown")
-        return "directory"
-    if path.is_file():
-        if path.suffix.lower() not in (".yaml", ".yml"):
-            raise BenchError(f"--model: '{spec}' is a file but not a recipe (.yaml); give a recipe or a model directory")
-        return "recipe"
-    raise BenchError(f"--model: '{spec}' does not exist; give a converted model directory or a recipe YAML")
-
-
-def _from_recipe(spec: str) -> tuple[torch.nn.Module, str, str, bool]:
-    """Parse a recipe like ``rfkit fit`` does and convert its base model (no training)."""
-    from rfkit.cli import RFArgumentParser, RFKitCLI, RFTrainer
-    from rfkit.data import TextDataModule
-    from rfkit.module import RecurFormerModule
-
-    cli = RFKitCLI(
-        RecurFormerModule,
-        TextDataModule,
-        trainer_class=RFTrainer,
-        parser_class=RFArgumentParser,
-        seed_everything_default=0,
-        run=False,
-        args=["--config", spec],
-        auto_configure_optimizers=False,
-    )
-    module = cli.model
-    module.prepare(cli.datamodule, callbacks=[])
-    return module.model, module.base_model, module.dtype_name, module.trust_remote_code
+    """Cheap checks before anything loads: 'directory' or 'recipe', else a ModelSpecError."""
+    return _check_spec(spec, require_converted=True)
 
 
 def load_pair(spec: str, device: torch.device) -> ModelPair:
@@ -176,10 +131,10 @@ def load_pair(spec: str, device: torch.device) -> ModelPair:
     if kind == "directory":
         head_map = HeadMap.load(Path(spec) / "head_map.json")
         converted = AutoModelForCausalLM.from_pretrained(spec, use_safetensors=True)
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[converted.dtype]
+        dtype = DTYPE_NAMES[converted.dtype]
         base, trust = head_map.model, False
     else:
-        converted, base, dtype, trust = _from_recipe(spec)
+        converted, base, dtype, trust = converted_from_recipe(spec)
         notes.append("converted from the recipe without training (weights change neither cache size nor speed)")
     original = load_base_model(base, dtype, trust)
     for model in (original, converted):
@@ -533,14 +488,8 @@ def validate(args) -> None:
             raise BenchError(f"--runs: must be a positive integer, got {args.runs}")
         if args.decode_tokens < 2:
             raise BenchError(f"--decode-tokens: must be at least 2, got {args.decode_tokens}")
-    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
-        raise BenchError(f"--device: '{args.device}' is not allowed; allowed: cpu, cuda, cuda:N")
-    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise BenchError("--device: cuda was asked for but no CUDA device is available")
-    if args.json_out is not None:
-        parent = Path(args.json_out).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise BenchError(f"--json: directory '{parent}' does not exist")
+    args.torch_device = torch_device(args.device)
+    check_output_file(args.json_out)
     check_model_spec(args.model)
 
 
@@ -549,7 +498,7 @@ def main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     validate(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.torch_device
     pair = load_pair(args.model, device)
     result = run_cache(args, pair, device) if args.what == "cache" else run_speed(args, pair, device)
     print(markdown(result))

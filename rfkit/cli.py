@@ -6,6 +6,9 @@
     rfkit profile  --config R.yaml --output head_map.json
     rfkit convert  --config R.yaml --output DIR       (no training)
     rfkit bench    cache|speed --model DIR|R.yaml     cache bytes and tokens/s, original vs converted
+    rfkit eval     hashhop|passkey|ppl|mqar|lm-eval   the paper's and the reviewers' evaluations
+    rfkit data     hashhop --n N --out FILE.jsonl     write evaluation / fine-tuning samples
+    rfkit sweep    --config R.yaml --betas 0,0.5,1    profile once, then quality vs cache per beta
 
 Recipes are LightningCLI YAML files; every Lightning override (``--trainer.max_steps 10``)
 works. Bad input gets one line on stderr naming the field, and exit code 2, before any model
@@ -160,6 +163,16 @@ def main(args: list[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     if argv[:1] == ["bench"]:
         raise SystemExit(_bench(argv[1:]))
+    if argv[:1] in (["eval"], ["data"]):
+        from rfkit.evals.cli import dispatch
+
+        load_plugins()
+        raise SystemExit(dispatch(argv[0], argv[1:]))
+    if argv[:1] == ["sweep"]:
+        from rfkit.sweep import main as sweep_main
+
+        load_plugins()
+        raise SystemExit(sweep_main(argv[1:]))
     try:
         _check_config_files(argv)
         load_plugins()

@@ -1,0 +1,16 @@
+"""The paper's evaluations and the reviewers' ones, each a module with a command:
+
+    rfkit data hashhop   write HashHop samples (JSONL)
+    rfkit eval hashhop   h_gq: greedy chain completion through the hybrid cache
+    rfkit eval passkey   passkey retrieval at several lengths and depths
+    rfkit eval ppl       perplexity on held-out text, sliding window for long documents
+    rfkit eval mqar      MQAR ablation over beta (paper Fig. 4), from a recipe
+    rfkit eval lm-eval   lm-evaluation-harness tasks on a converted model (``eval`` extra)
+
+Each task module defines ``add_arguments(parser)``, ``validate(args)`` (checks that need no
+model; raise :class:`EvalError`) and ``run(args) -> int``.
+"""
+
+from rfkit.evals.common import EvalError
+
+__all__ = ["EvalError"]

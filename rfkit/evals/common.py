@@ -1,0 +1,91 @@
+"""What the evaluation commands share: errors, argument parsing, greedy generation, output."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from rfkit.loading import ModelSpecError, OneLineParser, check_lengths_fit, check_model_spec, check_output_file
+from rfkit.loading import model_config, torch_device
+
+log = logging.getLogger(__name__)
+
+
+class EvalError(ModelSpecError):
+    """Bad evaluation input; the message is one line for the user."""
+
+
+class EvalParser(OneLineParser):
+    error_class = EvalError
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) -> None:
+    """``--model DIR|RECIPE [--original] --device --json``: the arguments every model eval takes."""
+    parser.add_argument("--model", required=True, help="converted model directory, HF model directory, or recipe YAML")
+    if original:
+        parser.add_argument(
+            "--original", action="store_true", help="evaluate the unconverted base model instead of the converted one"
+        )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+
+
+def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
+    """The model checks that need no weights: spec, device, output file and (when given) that
+    every length fits the model's context. Sets ``args.torch_device``."""
+    args.torch_device = torch_device(args.device)
+    check_output_file(args.json_out)
+    check_model_spec(args.model, require_converted=False)
+    if lengths:
+        check_lengths_fit(lengths, model_config(args.model), flag, extra=extra_tokens)
+
+
+def positive_int(args, name: str, minimum: int = 1) -> int:
+    """``args.<name>`` must be an integer >= minimum; the flag is named in the error."""
+    value = getattr(args, name)
+    flag = "--" + name.replace("_", "-")
+    if not isinstance(value, int) or value < minimum:
+        raise EvalError(f"{flag}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 1, progress=None):
+    """Greedy completions (text after the prompt) through ``model.generate`` and its cache.
+
+    Prompts are left-padded into batches of ``batch_size``; the converted model masks the
+    padding out of both the kept attention heads and the Mamba state.
+    """
+    device = next(model.parameters()).device
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    outputs: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            enc = tokenizer(chunk, return_tensors="pt", padding=True).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            new = out[:, enc["input_ids"].shape[1] :]
+            outputs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+            if progress is not None:
+                progress.update(len(chunk))
+    finally:
+        tokenizer.padding_side = old_side
+    return outputs
+
+
+def write_json(path: str | Path | None, obj) -> None:
+    """Write results atomically (nothing half-written), when a path was given."""
+    from rfkit.headmap import atomic_write_json
+
+    if path is not None:
+        atomic_write_json(path, obj)
+        log.info("results -> %s", path)
