@@ -128,7 +128,33 @@ class RFKitCLI(LightningCLI):
         parser.add_lightning_class_args(PerplexityMonitor, "perplexity")
         parser.add_lightning_class_args(CacheMonitor, "cache")
         parser.add_lightning_class_args(RunSummary, "summary")
-        parser.link_arguments("model.base_model", "data.tokenizer")
+        from jsonargparse import lazy_instance
+
+        from rfkit.data import TextDataModule
+
+        # data: any TextDataModule subclass; without a class_path it is TextDataModule itself,
+        # so recipes keep writing `data: {source: ..., seq_len: ...}`
+        parser.set_defaults({"data": lazy_instance(TextDataModule)})
+        parser.link_arguments("model.base_model", "data.init_args.tokenizer")
+
+
+def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
+    """The ``rfkit`` LightningCLI: RecurFormerModule plus any TextDataModule subclass (the
+    plain one by default). ``rfkit fit`` and the recipe-reading commands all build it here."""
+    from rfkit.data import TextDataModule
+    from rfkit.module import RecurFormerModule
+
+    options = dict(
+        trainer_class=RFTrainer,
+        parser_class=RFArgumentParser,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,
+    )
+    options.update(kwargs)
+    return RFKitCLI(RecurFormerModule, TextDataModule, **options)
 
 
 def load_plugins() -> None:
@@ -154,9 +180,6 @@ def _check_config_files(args: list[str]) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    from rfkit.data import TextDataModule
-    from rfkit.module import RecurFormerModule
-
     argv = sys.argv[1:] if args is None else list(args)
     logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
@@ -176,16 +199,7 @@ def main(args: list[str] | None = None) -> None:
     try:
         _check_config_files(argv)
         load_plugins()
-        RFKitCLI(
-            RecurFormerModule,
-            TextDataModule,
-            trainer_class=RFTrainer,
-            parser_class=RFArgumentParser,
-            seed_everything_default=0,
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            auto_configure_optimizers=False,
-        )
+        make_cli(args, save_config_kwargs={"overwrite": True})
     except ValueError as err:
         found = user_error(err)
         if found is None:

@@ -492,11 +492,11 @@ class TextDataModule(L.LightningDataModule):
         tok = self.tokenizer_name
         if tok is not None:
             if not tok.strip():
-                raise SourceError("data.tokenizer: must be a model id, a local directory or an embedded name, got ''")
+                raise SourceError("data.tokenizer (from model.base_model): must be a model id, a local directory or an embedded name, got ''")
             if is_embedded(tok) and tok != EMBEDDED_MODEL:
-                raise SourceError(f"data.tokenizer: unknown embedded model '{tok}'; allowed: {EMBEDDED_MODEL}")
+                raise SourceError(f"data.tokenizer (from model.base_model): unknown embedded model '{tok}'; allowed: {EMBEDDED_MODEL}")
             if not is_embedded(tok) and looks_like_path(tok) and not Path(tok).expanduser().exists():
-                raise SourceError(f"data.tokenizer: path '{tok}' does not exist")
+                raise SourceError(f"data.tokenizer (from model.base_model): path '{tok}' does not exist")
 
         self._check_source()
 

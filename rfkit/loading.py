@@ -69,20 +69,9 @@ def check_model_spec(spec: str, require_converted: bool = True, flag: str = "--m
 def parse_recipe(spec: str, overrides: list[str] | None = None):
     """A recipe parsed like ``rfkit fit`` parses it: ``(RecurFormerModule, TextDataModule)``,
     nothing loaded yet."""
-    from rfkit.cli import RFArgumentParser, RFKitCLI, RFTrainer
-    from rfkit.data import TextDataModule
-    from rfkit.module import RecurFormerModule
+    from rfkit.cli import make_cli
 
-    cli = RFKitCLI(
-        RecurFormerModule,
-        TextDataModule,
-        trainer_class=RFTrainer,
-        parser_class=RFArgumentParser,
-        seed_everything_default=0,
-        run=False,
-        args=["--config", spec, *(overrides or [])],
-        auto_configure_optimizers=False,
-    )
+    cli = make_cli(["--config", spec, *(overrides or [])], run=False)
     return cli.model, cli.datamodule
 
 

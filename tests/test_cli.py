@@ -48,20 +48,13 @@ def tiny_args(model_dir, corpus, root):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_parses_against_the_signatures_it_names(recipe):
-    from rfkit.cli import RFArgumentParser, RFKitCLI, RFTrainer
-    from rfkit.data import TextDataModule
-    from rfkit.module import RecurFormerModule
+    from rfkit.cli import make_cli
 
     text = recipe.read_text()
     assert text.startswith("#") and "rfkit fit --config recipes/" in text  # comment block with the command
-    cli = RFKitCLI(
-        RecurFormerModule,
-        TextDataModule,
-        trainer_class=RFTrainer,
-        parser_class=RFArgumentParser,
-        args=["--config", str(recipe), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true"],
+    cli = make_cli(
+        ["--config", str(recipe), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true"],
         run=False,
-        auto_configure_optimizers=False,
         trainer_defaults={"logger": False, "enable_checkpointing": False},
     )
     assert 0.0 <= cli.model.policy.beta <= 1.0
