@@ -37,12 +37,19 @@ log = logging.getLogger(__name__)
 FREEZE_PRESETS = ("pretrained", "none", "all")
 
 
-def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL in float32 (log-softmax via cross_entropy) and the token count."""
+def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL in float32 (log-softmax via cross_entropy) and the token count.
+
+    ``labels`` (same shape as ``input_ids``, -100 where no loss is wanted, as in transformers)
+    restricts the loss, for example to the completion of a prompt; by default every next
+    token counts.
+    """
     shift_logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), targets.reshape(-1), reduction="sum")
-    return nll, targets.numel()
+    targets = (input_ids if labels is None else labels)[:, 1:]
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), targets.reshape(-1), reduction="sum", ignore_index=-100
+    )
+    return nll, int((targets != -100).sum()) if labels is not None else targets.numel()
 
 
 class RecurFormerModule(L.LightningModule):
@@ -148,8 +155,9 @@ class RecurFormerModule(L.LightningModule):
 
     def _nll(self, batch) -> tuple[torch.Tensor, int]:
         ids = batch["input_ids"]
-        logits = self.model(input_ids=ids, use_cache=False).logits
-        return summed_nll(logits, ids)
+        mask = batch.get("attention_mask")
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return summed_nll(logits, ids, batch.get("labels"))
 
     def training_step(self, batch, batch_idx):
         nll, n = self._nll(batch)
