@@ -49,6 +49,25 @@ def profile_cache_path(model_name: str, data_fingerprint: str, settings: dict, s
     return cache_dir() / "profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
+def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=None, reuse: bool = True, progress: bool = True):
+    """The calibration profile ``policy`` needs (reused from the cache when the model, data
+    and settings match), and the data's provenance: ``(profile or None, data_info)``."""
+    settings = policy.profile_settings()
+    if settings is None:
+        return None, {}
+    if datamodule is None:
+        raise ValueError(f"{type(policy).__name__} needs calibration data (a data section)")
+    datamodule.setup("fit")
+    data_info = datamodule.describe()
+    path = profile_cache_path(model_name, datamodule.fingerprint(), settings, len(datamodule.calibration))
+    if reuse and path.exists():
+        log.info("reusing head profile %s", path)
+        return load_profile(path), data_info
+    profile = profile_heads(model, datamodule.calibration_dataloader(), progress=progress, **settings)
+    save_profile(profile, path)
+    return profile, data_info
+
+
 def build_head_map(
     model,
     model_name: str,
@@ -59,21 +78,7 @@ def build_head_map(
 ) -> HeadMap:
     """Profile the heads (or reuse a cached profile) and apply ``policy``."""
     layout = AttentionLayout.from_config(model.config)
-    profile = None
-    data_info = {}
-    settings = policy.profile_settings()
-    if settings is not None:
-        if datamodule is None:
-            raise ValueError(f"{type(policy).__name__} needs calibration data (a data section)")
-        datamodule.setup("fit")
-        data_info = datamodule.describe()
-        path = profile_cache_path(model_name, datamodule.fingerprint(), settings, len(datamodule.calibration))
-        if reuse and path.exists():
-            log.info("reusing head profile %s", path)
-            profile = load_profile(path)
-        else:
-            profile = profile_heads(model, datamodule.calibration_dataloader(), progress=progress, **settings)
-            save_profile(profile, path)
+    profile, data_info = profile_for(model, model_name, policy, datamodule, reuse, progress)
     selected = policy.select(layout, profile)
     return HeadMap.build(model_name, layout, profile, selected, policy, data_info)
 

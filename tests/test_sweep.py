@@ -1,0 +1,108 @@
+"""rfkit sweep: one profile, then quality and cache per beta, on the tiny model and corpus."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rfkit.cli import main
+
+SMOLLM = "recipes/smollm2_b05.yaml"
+
+
+def run_cli(args, capsys):
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def overrides(model_dir, corpus):
+    return [
+        "--model.base_model", str(model_dir),
+        "--model.policy.init_args.window", "4",
+        "--data.source", str(corpus),
+        "--data.seq_len", "32",
+        "--data.batch_size", "2",
+        "--data.calibration_samples", "4",
+        "--data.val_blocks", "4",
+        "--data.split", "[0.1, 0.1]",
+    ]  # fmt: skip
+
+
+def test_sweep_profiles_once_and_measures_every_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out_dir = tmp_path / "sweep"
+    args = ["sweep", "--config", SMOLLM, "--betas", "1,0,0.5", "--output", str(out_dir), "--cache-length", "64"]
+    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    assert code == 0, err
+    result = json.loads((out_dir / "sweep.json").read_text())
+    rows = {r["beta"]: r for r in result["rows"]}
+    assert sorted(rows) == [0.0, 0.5, 1.0]
+    # beta 0 is the untouched model: the same perplexity and cache, exactly
+    assert rows[0.0]["replaced_heads"] == 0 and rows[0.0]["ppl_ratio"] == 1.0 and rows[0.0]["cache_ratio"] == 1.0
+    # 4 KV groups (2 layers x 2): beta 0.5 replaces 2 groups = 4 of 8 query heads, beta 1 all of them
+    assert rows[0.5]["replaced_heads"] == 4 and rows[1.0]["replaced_heads"] == 8
+    assert rows[0.5]["kept_kv_fraction"] == 0.5 and rows[1.0]["kept_kv_fraction"] == 0.0
+    # measured cache: half the K/V plus the Mamba state; at beta 1 only the state is left
+    orig = result["original"]
+    assert rows[0.5]["cache_bytes"] == orig["cache_bytes"] // 2 + rows[0.5]["state_bytes"]
+    assert rows[1.0]["cache_bytes"] == rows[1.0]["state_bytes"] > 0
+    assert rows[1.0]["cache_ratio"] < rows[0.5]["cache_ratio"] < 1.0
+    # the selections of one profile nest: every head replaced at 0.5 is replaced at 1.0
+    small = json.loads((out_dir / "beta_0.5" / "head_map.json").read_text())["selected"]
+    large = json.loads((out_dir / "beta_1" / "head_map.json").read_text())["selected"]
+    assert all(set(a) <= set(b) for a, b in zip(small, large))
+    assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out_dir / "sweep.md").read_text()
+    assert "| 0.5 | 4/8 | 50.0% |" in table and table in out + "\n"
+
+
+def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out_dir = tmp_path / "sweep"
+    args = ["sweep", "--config", SMOLLM, "--betas", "0,0.5", "--output", str(out_dir), "--cache-length", "64", "--fit"]
+    extra = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
+             "--trainer.enable_progress_bar", "false", "--model.lr_scheduler", "null"]  # fmt: skip
+    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus), *extra], capsys)
+    assert code == 0, err
+    result = json.loads((out_dir / "sweep.json").read_text())
+    trained = [r for r in result["rows"] if r["trained"]]
+    assert [r["beta"] for r in trained] == [0.5]  # beta 0 has nothing to train
+    summary = json.loads(open(trained[0]["summary"]).read())
+    assert summary["replaced_heads"] == 4
+    assert abs(summary["ppl_converted"] - trained[0]["ppl"]) / trained[0]["ppl"] < 1e-4
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--betas", "0,1.5"], "--betas"),
+        (["--betas", "half"], "--betas"),
+        (["--betas", ""], "--betas"),
+        (["--cache-length", "0"], "--cache-length"),
+        (["--val-blocks", "-1"], "--val-blocks"),
+        (["--bogus"], "--bogus"),
+        (["--model.policy", "rfkit.policies.ExplicitHeads", "--model.policy.heads", "[[0]]"], "model.policy"),
+    ],
+)
+def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
+    import rfkit.convert
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rfkit.convert, "load_base_model", no_load)
+    args = ["sweep", "--config", SMOLLM, "--output", str(tmp_path / "s"), *overrides(tiny_model_dir, tiny_corpus), *extra]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rfkit sweep: error:") and field in lines[0], err
+    assert not (tmp_path / "s" / "sweep.json").exists()
+
+
+def test_sweep_rejects_a_missing_recipe(tmp_path, capsys):
+    code, out, err = run_cli(["sweep", "--config", str(tmp_path / "none.yaml")], capsys)
+    assert code == 2 and "--config" in err and "does not exist" in err
