@@ -84,11 +84,13 @@ class RFArgumentParser(LightningArgumentParser):
 class RFTrainer(Trainer):
     """Lightning's Trainer plus the subcommands that convert without training."""
 
-    def profile(self, model, datamodule=None, output: str = "head_map.json"):
+    def profile(self, model, datamodule=None, output: str = "head_map.json", report: bool = True):
         """Profile the heads on calibration data, select with the policy, write the head map.
 
         Args:
             output: Where to write head_map.json.
+            report: Also write the head pictures beside it: RA-I heatmap, mean attention maps
+                of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
         """
         from rfkit.convert import build_head_map, load_base_model
 
@@ -96,6 +98,11 @@ class RFTrainer(Trainer):
         head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
         head_map.save(output)
         print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
+        if report and datamodule is not None:
+            from rfkit.head_report import write_head_report
+
+            paths = write_head_report(base, head_map, datamodule.calibration_dataloader(), Path(output).parent)
+            print("head report: " + ", ".join(str(p) for p in paths.values()))
         return head_map
 
     def convert(self, model, datamodule=None, output: str = "converted"):
