@@ -90,6 +90,8 @@ def test_profile_and_convert_subcommands(tiny_model_dir, tiny_corpus, tmp_path, 
     assert code == 0, err
     head_map = json.loads((tmp_path / "hm.json").read_text())
     assert head_map["window"] == 4 and head_map["samples"] == 4 and head_map["seq_len"] == 32
+    for name in ("rai_heatmap.png", "attention_maps.png", "first_token_contribution.md"):
+        assert (tmp_path / name).stat().st_size > 0, name  # the head report beside the map
     code, out, err = run_cli(["convert", *args, "--output", str(tmp_path / "conv")], capsys)
     assert code == 0, err
     converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / "conv"))
