@@ -1,0 +1,277 @@
+"""Passkey retrieval: find a 5-digit key hidden at a chosen depth in filler text.
+
+    rfkit eval passkey --model DIR|RECIPE [--original] --lengths 512,1024,4096
+                       --depths 0,0.25,0.5,0.75,1 --trials 5 --seed 0 [--device cpu] --json OUT
+
+Each prompt is an instruction line, the filler "The grass is green. The sky is blue. The sun is
+yellow. Here we go. There and back again." repeated, the needle "The pass key is NNNNN.
+Remember it. NNNNN is the pass key." placed after ``round(depth * sentences)`` filler sentences
+(depth 0: before all filler, 1: after all of it), and the question "What is the pass key? The
+pass key is". The number of filler sentences is the largest for which the prompt, tokenised by
+the model's own tokenizer the way generation tokenises it, is at most ``length`` tokens (so it
+lands within one sentence, a few tokens, of the target). Each trial draws its own key from a
+generator seeded by (seed, length, depth, trial), so the original and the converted model see
+the same prompts. The model answers greedily (``--new-tokens``, default 8); a trial is correct
+when the first integer in the answer equals the key.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, greedy_generate, positive_int
+from rfkit.evals.common import write_json
+
+INSTRUCTION = (
+    "Somewhere in the long passage below, a pass key is hidden among sentences that do not matter. "
+    "Find the pass key and keep it in mind: you will be asked for it at the end."
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+# the filler is laid down sentence by sentence (repeating the five), so prompts land within a
+# sentence of the target length
+FILLER_SENTENCES = [part + "." for part in FILLER[:-1].split(". ")]
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+NEW_TOKENS = 8
+
+
+# ----------------------------------------------------------------------------- parsing
+def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
+    """``"512,1024"`` -> ``[512, 1024]``; anything but positive integers is an EvalError."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise EvalError(f"{flag}: give at least one positive integer, like 512,1024")
+    values = []
+    for part in parts:
+        try:
+            value = int(part.replace("_", ""))
+        except ValueError:
+            raise EvalError(f"{flag}: '{part}' is not an integer; give positive integers like 512,1024") from None
+        if value <= 0:
+            raise EvalError(f"{flag}: lengths must be positive integers, got {value}")
+        values.append(value)
+    return values
+
+
+def parse_depths(text: str, flag: str = "--depths") -> list[float]:
+    """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]``; each must be a number in [0, 1]."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise EvalError(f"{flag}: give at least one depth in [0, 1], like 0,0.5,1")
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise EvalError(f"{flag}: '{part}' is not a number; give depths in [0, 1] like 0,0.5,1") from None
+        if not 0.0 <= value <= 1.0:  # also rejects nan
+            raise EvalError(f"{flag}: depths must be in [0, 1] (0 = start, 1 = end), got {part}")
+        values.append(value)
+    return values
+
+
+# ----------------------------------------------------------------------------- prompts
+def compose(sentences: int, depth: float, key: int) -> str:
+    """The prompt with ``sentences`` filler sentences (the filler repeated, cut after that many
+    sentences) and the needle after ``round(depth * sentences)`` of them."""
+    filler = [FILLER_SENTENCES[i % len(FILLER_SENTENCES)] for i in range(sentences)]
+    at = round(depth * sentences)
+    parts = [INSTRUCTION, *filler[:at], NEEDLE.format(key=key), *filler[at:]]
+    return " ".join(parts) + "\n" + QUESTION
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of ``text`` as ``greedy_generate`` encodes it (special tokens included)."""
+    return len(tokenizer(text)["input_ids"])
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[str, int]:
+    """The longest prompt of at most ``length`` tokens: ``(text, tokens)``.
+
+    Raises:
+        EvalError: ``length`` cannot hold even the template without filler.
+    """
+    def size(n: int) -> int:
+        return count_tokens(tokenizer, compose(n, depth, key))
+
+    smallest = size(0)
+    if smallest > length:
+        raise EvalError(
+            f"--lengths: {length} tokens cannot hold the passkey template ({smallest} tokens without filler); "
+            f"give lengths of at least {smallest}"
+        )
+    low, high = 0, 8  # size(low) <= length; find high with size(high) > length
+    while size(high) <= length:
+        low, high = high, high * 2
+    while high - low > 1:  # the most filler sentences that fit
+        mid = (low + high) // 2
+        if size(mid) <= length:
+            low = mid
+        else:
+            high = mid
+    text = compose(low, depth, key)
+    return text, count_tokens(tokenizer, text)
+
+
+def template_tokens(tokenizer) -> int:
+    """Tokens of the template with no filler (the shortest possible prompt)."""
+    return max(count_tokens(tokenizer, compose(0, d, k)) for d in (0.0, 1.0) for k in (10000, 99999))
+
+
+def trial_key(seed: int, length: int, depth: float, trial: int) -> int:
+    """The 5-digit key of one trial, fixed by (seed, length, depth, trial) alone."""
+    return random.Random(f"passkey:{seed}:{length}:{depth!r}:{trial}").randint(10000, 99999)
+
+
+def score(output: str, key: int) -> bool:
+    """Correct when the first integer in ``output`` is the key."""
+    found = re.search(r"\d+", output)
+    return found is not None and found.group() == str(key)
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate_passkey(
+    model,
+    tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
+    seed: int = 0,
+    progress: bool = True,
+    new_tokens: int = NEW_TOKENS,
+    batch_size: int = 1,
+) -> dict:
+    """Passkey accuracy per (length, depth), per length and overall, with every trial's record.
+
+    ``progress`` shows a tqdm bar over the prompts. Prompts are generated greedily in batches of
+    ``batch_size`` (left-padded).
+    """
+    from tqdm.auto import tqdm
+
+    records = []
+    prompts = []
+    for length in lengths:
+        for depth in depths:
+            for trial in range(trials):
+                key = trial_key(seed, length, depth, trial)
+                text, n_tokens = build_prompt(tokenizer, length, depth, key)
+                prompts.append(text)
+                records.append(
+                    {"length": length, "depth": depth, "trial": trial, "key": key, "prompt_tokens": n_tokens}
+                )
+    with tqdm(total=len(prompts), desc="passkey", unit="prompt", disable=not progress) as bar:
+        outputs = greedy_generate(model, tokenizer, prompts, new_tokens, batch_size=batch_size, progress=bar)
+    for record, output in zip(records, outputs):
+        record["output"] = output
+        record["correct"] = score(output, record["key"])
+
+    def accuracy(rows) -> float:
+        return sum(r["correct"] for r in rows) / len(rows)
+
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            rows = [r for r in records if r["length"] == length and r["depth"] == depth]
+            cells.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "accuracy": accuracy(rows),
+                    "correct": sum(r["correct"] for r in rows),
+                    "trials": len(rows),
+                    "prompt_tokens_mean": sum(r["prompt_tokens"] for r in rows) / len(rows),
+                }
+            )
+    by_length = [
+        {"length": length, "accuracy": accuracy([r for r in records if r["length"] == length])} for length in lengths
+    ]
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "trials": trials,
+        "seed": seed,
+        "new_tokens": new_tokens,
+        "cells": cells,
+        "by_length": by_length,
+        "overall": accuracy(records),
+        "records": records,
+    }
+
+
+def format_table(result: dict) -> str:
+    """Markdown: a row per length, a column per depth and the length's mean, then the overall."""
+    depths = result["depths"]
+    head = "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |"
+    rule = "|---:|" + "---:|" * (len(depths) + 1)
+    lines = [head, rule]
+    cell = {(c["length"], c["depth"]): c["accuracy"] for c in result["cells"]}
+    for row in result["by_length"]:
+        values = [f"{cell[(row['length'], d)]:.2f}" for d in depths]
+        lines.append(f"| {row['length']} | " + " | ".join(values) + f" | {row['accuracy']:.2f} |")
+    lines.append(f"\noverall accuracy: {result['overall']:.3f} ({len(result['records'])} trials)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--lengths", default="512,1024,4096", help="prompt lengths in tokens, comma separated")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma separated")
+    parser.add_argument("--trials", type=int, default=5, help="random keys per (length, depth)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the keys")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="tokens generated per answer")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
+
+
+def _spec_tokenizer(spec: str):
+    """The tokenizer the model spec will load with (no weights)."""
+    from pathlib import Path
+
+    from rfkit.loading import base_model_name, load_tokenizer
+
+    path = Path(spec)
+    return load_tokenizer(path if path.is_dir() else None, base_model_name(spec))
+
+
+def validate(args) -> None:
+    """Every check that needs no weights (the tokenizer is loaded to size the template)."""
+    args.length_list = parse_lengths(args.lengths)
+    args.depth_list = parse_depths(args.depths)
+    positive_int(args, "trials")
+    positive_int(args, "new_tokens")
+    positive_int(args, "batch_size")
+    check_model_arguments(args, args.length_list, extra_tokens=args.new_tokens)
+    need = template_tokens(_spec_tokenizer(args.model))
+    short = [n for n in args.length_list if n < need]
+    if short:
+        raise EvalError(
+            f"--lengths: {short[0]} tokens cannot hold the passkey template ({need} tokens without filler); "
+            f"give lengths of at least {need}"
+        )
+
+
+def run(args) -> int:
+    from rfkit.loading import load_model
+
+    loaded = load_model(args.model, args.original, args.torch_device)
+    start = time.perf_counter()
+    result = evaluate_passkey(
+        loaded.model, loaded.tokenizer, args.length_list, args.depth_list, args.trials, args.seed,
+        progress=True, new_tokens=args.new_tokens, batch_size=args.batch_size,
+    )  # fmt: skip
+    result = {
+        "task": "passkey",
+        "model": loaded.name,
+        "base_model": loaded.base_model,
+        "converted": loaded.converted,
+        "notes": loaded.notes,
+        "device": str(args.torch_device),
+        "wall_seconds": round(time.perf_counter() - start, 2),
+        **result,
+    }
+    print(f"passkey retrieval: {loaded.name}")
+    print(format_table(result))
+    write_json(args.json_out, result)
+    return 0
