@@ -6,19 +6,9 @@ import json
 
 import pytest
 
-from rfkit.cli import main
+from test_cli import run_cli  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
 
 SMOLLM = "recipes/smollm2_b05.yaml"
-
-
-def run_cli(args, capsys):
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def overrides(model_dir, corpus):
