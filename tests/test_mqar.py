@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from rfkit.evals.mqar import (
-    MQARError,
     ModelSettings,
+    MQARError,
     SelectSettings,
+    TrainSettings,
     build_model,
     convert_for_beta,
     head_map_for,
@@ -17,7 +18,6 @@ from rfkit.evals.mqar import (
     make_mqar,
     mqar_accuracy,
     profile_model,
-    TrainSettings,
     vocab_split,
 )
 
@@ -85,16 +85,16 @@ def test_placement_is_deterministic_in_the_seed_and_follows_the_power_law():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(input_seq_len=30, num_kv_pairs=8), "input_seq_len"),  # 2*8 + 2*8 = 32 > 30
-        (dict(num_kv_pairs=20, vocab_size=32), "vocab_size"),
-        (dict(num_kv_pairs=4, num_queries=5), "num_queries"),
-        (dict(power_a=0.0), "power_a"),
-        (dict(num_examples=0), "num_examples"),
-        (dict(num_kv_pairs=-1), "num_kv_pairs"),
+        ({"input_seq_len": 30, "num_kv_pairs": 8}, "input_seq_len"),  # 2*8 + 2*8 = 32 > 30
+        ({"num_kv_pairs": 20, "vocab_size": 32}, "vocab_size"),
+        ({"num_kv_pairs": 4, "num_queries": 5}, "num_queries"),
+        ({"power_a": 0.0}, "power_a"),
+        ({"num_examples": 0}, "num_examples"),
+        ({"num_kv_pairs": -1}, "num_kv_pairs"),
     ],
 )
 def test_bad_settings_raise_naming_the_field(kwargs, field):
-    settings = dict(num_examples=4, input_seq_len=64, num_kv_pairs=4, vocab_size=64)
+    settings = {"num_examples": 4, "input_seq_len": 64, "num_kv_pairs": 4, "vocab_size": 64}
     settings.update(kwargs)
     with pytest.raises(MQARError, match=field):
         make_mqar(**settings)
@@ -192,7 +192,7 @@ TINY_ARGS = [
     ],
 )
 def test_bad_config_values_are_one_line_and_exit_2(extra, field, tmp_path, capsys):
-    code, out, err = run_cli(["eval", "mqar", *TINY_ARGS, "--output_dir", str(tmp_path), *extra], capsys)
+    code, _out, err = run_cli(["eval", "mqar", *TINY_ARGS, "--output_dir", str(tmp_path), *extra], capsys)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("rfkit eval: error:") and field in err, err
     assert not (tmp_path / "results.json").exists()
@@ -201,7 +201,7 @@ def test_bad_config_values_are_one_line_and_exit_2(extra, field, tmp_path, capsy
 def test_unknown_key_in_the_recipe_is_one_line_and_exit_2(tmp_path, capsys):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(Path(SMOKE).read_text() + "\ncolour: red\n")
-    code, out, err = run_cli(["eval", "mqar", "--config", str(recipe)], capsys)
+    code, _out, err = run_cli(["eval", "mqar", "--config", str(recipe)], capsys)
     assert code == 2 and err.count("\n") == 1 and "colour" in err, err
 
 
@@ -230,7 +230,7 @@ def test_smoke_recipe_shows_that_attention_must_stay(tmp_path, capsys):
     import yaml
 
     recipe = yaml.safe_load(Path(SMOKE).read_text())
-    code, out, err = run_cli(["eval", "mqar", "--config", SMOKE, "--output_dir", str(tmp_path)], capsys)
+    code, _out, err = run_cli(["eval", "mqar", "--config", SMOKE, "--output_dir", str(tmp_path)], capsys)
     assert code == 0, err
     results = check_outputs(tmp_path, recipe["betas"], recipe["eval_lengths"])
     acc = results["accuracy"]

@@ -44,9 +44,10 @@ replaced, as in the paper. With 2 layers x 4 KV groups (8 query heads, 4 KV head
 
 * ``results.json``: ``accuracy`` = ``{beta: {length: accuracy}}`` with keys as strings
   (``"0.25"``, ``"128"``), beta -> eval length -> fraction of queries answered correctly;
-  ``replaced_heads`` = ``{beta: {"replaced", "total", "selected"}}``; ``head_maps`` = the full
-  :class:`rfkit.headmap.HeadMap` per beta; ``train_loss`` = ``{beta: mean loss of the last
-  steps}``; ``warmup_loss``; ``settings`` (the resolved config); ``wall_s``; ``device``.
+  ``lengths``; ``replaced_heads`` = ``{beta: {"replaced", "total", "selected"}}``; ``head_maps`` =
+  the full :class:`rfkit.headmap.HeadMap` per beta; ``train_loss`` = ``{beta: mean loss of the
+  last train.loss_window steps}``; ``warmup_loss``; ``train_seconds`` (warm-up and per beta);
+  ``settings`` (the resolved config); ``device``; ``wall_s``.
 * ``mqar.png``: accuracy against sequence length, one line per beta.
 * ``mqar.md``: the Markdown table (rows beta, columns length) that is also printed.
 """
@@ -54,7 +55,6 @@ replaced, as in the paper. With 2 layers x 4 KV groups (8 query heads, 4 KV head
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import time
@@ -616,20 +616,24 @@ def run(cfg: MQARConfig) -> dict:
 
     # warm-up with every head attending, then one profile for every beta
     model = build_model(m, max(max(d.train_lengths), max(cfg.eval_lengths)), cfg.seed)
+    warm_started = time.perf_counter()
     warm_losses = train_range(model, plan, 0, t.warmup_steps, t, device, "warm-up (attention)", cfg.progress)
+    warm_seconds = time.perf_counter() - warm_started
     profile = profile_model(model, profile_batches, s, window, progress=False)
     data_info = {"task": "mqar", "length": profile_length, "num_kv_pairs": profile_pairs, "examples": s.profile_examples}
     warm_state = copy.deepcopy(model.state_dict())
 
-    accuracy, replaced, head_maps, final_loss = {}, {}, {}, {}
+    accuracy, replaced, head_maps, final_loss, train_seconds = {}, {}, {}, {}, {}
     for beta in betas:
         model.load_state_dict(warm_state)
         head_map = head_map_for(model, profile, beta, s, window, data_info)
         torch.manual_seed(cfg.seed + 1)  # Mamba init: the same for every beta that converts
         converted = convert_for_beta(model, head_map, m)
+        beta_started = time.perf_counter()
         losses = train_range(converted, plan, t.warmup_steps, t.steps, t, device, f"beta {beta}", cfg.progress)
         result = evaluate(converted, test_sets, t.eval_batch_size, device)
         key = beta_key(beta)
+        train_seconds[key] = round(time.perf_counter() - beta_started, 2)
         accuracy[key] = {str(n): round(a, 6) for n, a in result.items()}
         replaced[key] = {"replaced": head_map.replaced_heads, "total": head_map.total_heads, "selected": head_map.selected}
         head_maps[key] = asdict(head_map)
@@ -639,6 +643,15 @@ def run(cfg: MQARConfig) -> dict:
         del converted
 
     wall = time.perf_counter() - started
+    settings = {
+        "model": asdict(m),
+        "data": asdict(d),
+        "train": asdict(t),
+        "select": {**asdict(s), "window": window, "profile_length": profile_length},
+        "betas": betas,
+        "eval_lengths": list(cfg.eval_lengths),
+        "seed": cfg.seed,
+    }
     tail = warm_losses[-t.loss_window :]
     results = {
         "accuracy": accuracy,
@@ -646,11 +659,9 @@ def run(cfg: MQARConfig) -> dict:
         "replaced_heads": replaced,
         "train_loss": final_loss,
         "warmup_loss": round(sum(tail) / len(tail), 6) if tail else None,
+        "train_seconds": {"warmup": round(warm_seconds, 2), **train_seconds},
         "head_maps": head_maps,
-        "settings": {
-            "model": asdict(m), "data": asdict(d), "train": asdict(t), "select": {**asdict(s), "window": window,
-            "profile_length": profile_length}, "betas": betas, "eval_lengths": list(cfg.eval_lengths), "seed": cfg.seed,
-        },  # fmt: skip
+        "settings": settings,
         "device": str(device),
         "wall_s": round(wall, 2),
     }
