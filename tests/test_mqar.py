@@ -26,16 +26,7 @@ SMOKE = str(ROOT / "recipes" / "mqar_smoke.yaml")
 TINY = ModelSettings(d_model=32, layers=2, heads=4, kv_heads=2, vocab_size=32, d_state=4, expand=1)
 
 
-def run_cli(args, capsys):
-    from rfkit.cli import main
-
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+from test_cli import run_cli  # noqa: E402  (tests/ is on sys.path: one in-process runner for all CLI tests)
 
 
 # ------------------------------------------------------------------------------------ generator
