@@ -109,11 +109,16 @@ def param_counts(model) -> dict:
 def save_converted(model, head_map: HeadMap, out_dir: str | Path, tokenizer=None) -> Path:
     """Save a converted model as an HF directory (safetensors + config + head map + tokenizer).
 
+    LoRA adapters, if any, are merged into the model in place first.
     Written into a temporary sibling directory and renamed into place, so a crash never
     leaves a half-written model; an existing directory at ``out_dir`` is replaced.
     """
     from rfkit.atomic import atomic_directory
+    from rfkit.lora import merge_lora
 
+    merged = merge_lora(model)  # LoRA adapters folded into their base weights: no peft needed to load
+    if merged:
+        log.info("merged %d LoRA adapters before saving", merged)
     with atomic_directory(out_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         head_map.save(tmp / "head_map.json")

@@ -260,9 +260,14 @@ def decoder_layers(model) -> nn.ModuleList:
     return model.get_decoder().layers
 
 
-def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator) -> None:
-    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer."""
+def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator) -> dict[int, nn.Module]:
+    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer.
+
+    Returns the original attention modules that were swapped out, by layer index (the shared
+    teacher of :mod:`rfkit.teacher` puts them back to run the original model).
+    """
     layers = decoder_layers(model)
+    originals = {}
     for layer_idx, heads in enumerate(selected):
         if not heads:
             continue
@@ -271,6 +276,8 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
         new.to(dtype=old.v_proj.weight.dtype)
         new.load_from_attention(old)
         layers[layer_idx].self_attn = new
+        originals[layer_idx] = old
+    return originals
 
 
 # -- HF classes for converted models ----------------------------------------------------------
@@ -393,10 +400,13 @@ _register_families()
 
 
 def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperator):
-    """Convert a loaded HF model in place and turn it into its ``rf_*`` class; returns it."""
+    """Convert a loaded HF model in place and turn it into its ``rf_*`` class; returns it.
+
+    The swapped-out original attention modules stay reachable as ``model.rf_originals`` (a plain
+    attribute: not a submodule, so never saved, moved or trained with the model)."""
     layout = AttentionLayout.from_config(model.config)
     rf_cfg_cls, rf_model_cls = _FAMILIES[layout.model_type]
-    convert_attention(model, selected, operator)
+    originals = convert_attention(model, selected, operator)
     old = model.config
     fields = {k: v for k, v in old.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
     new = rf_cfg_cls(rf_selected=[list(s) for s in selected], rf_operator=operator.to_dict(), **fields)
@@ -407,4 +417,5 @@ def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperat
             module.config = new
     model.__class__ = rf_model_cls
     model.config = new
+    object.__setattr__(model, "rf_originals", originals)
     return model

@@ -8,6 +8,7 @@ in :meth:`configure_model`, so that the datamodule (calibration data) and the ca
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 
+from rfkit.distill import DistillConfig, hidden_loss, kl_loss
+from rfkit.lora import LoraSettings
+from rfkit.transfer import TransferConfig
 from rfkit.convert import (
     build_head_map,
     convert,
@@ -34,7 +38,21 @@ from rfkit.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
 
 log = logging.getLogger(__name__)
 
-FREEZE_PRESETS = ("pretrained", "none", "all")
+FREEZE_PRESETS = ("pretrained", "mixers", "lora", "none", "all")
+INIT_CHOICES = ("random", "from_attention")
+SHARED_TEACHER_FROZEN = (
+    "model.distill.share_modules: the teacher shares the pretrained weights that model.freeze trains; "
+    "freeze them (freeze: pretrained, mixers or lora) or set share_modules: false"
+)
+
+
+@dataclass
+class FreezeStage:
+    """One stage of a freeze schedule: ``freeze`` (as ``model.freeze``) for ``steps`` optimiser
+    steps; ``steps: null`` (only on the last stage) lasts to the end of training."""
+
+    freeze: str | list[str] = "pretrained"
+    steps: int | None = None
 
 
 def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
@@ -59,9 +77,18 @@ class RecurFormerModule(L.LightningModule):
         base_model: HF model id, local directory, or ``embedded:smollm2-135m-instruct``.
         policy: Which heads to replace (a ``HeadSelectionPolicy`` subclass).
         operator: What replaced heads become (a ``ReplacementOperator`` subclass).
-        freeze: ``pretrained`` trains only the new blocks; ``none`` trains everything;
-            ``all`` trains nothing; or a list of glob patterns of parameter names to freeze
-            (for example ``["model.embed_tokens.*", "lm_head.*"]``).
+        freeze: ``pretrained`` freezes the pretrained weights (the new blocks and LoRA adapters
+            train); ``mixers`` trains only the new blocks; ``lora`` only the adapters; ``none``
+            trains everything; ``all`` nothing; or a list of glob patterns of parameter names
+            to freeze (for example ``["model.embed_tokens.*", "lm_head.*"]``).
+        freeze_schedule: Stages that replace ``freeze`` step by step, for example
+            ``[{freeze: mixers, steps: 20}, {freeze: pretrained}]``.
+        init: How the new blocks start: ``random`` (the paper) or ``from_attention`` (from the
+            replaced heads' weights; see the operator's ``init_from_attention``).
+        transfer: Attention transfer before training (:class:`rfkit.transfer.TransferConfig`);
+            also runs in ``rfkit convert``.
+        distill: Distillation losses (:class:`rfkit.distill.DistillConfig`); default plain CE.
+        lora: LoRA adapters on kept projections (:class:`rfkit.lora.LoraSettings`), merged on save.
         head_map: Path of an existing ``head_map.json`` to use instead of profiling.
         reuse_profile: Reuse a cached profile for the same model, data and settings.
         dtype: Weight dtype the base model loads in.
@@ -76,6 +103,11 @@ class RecurFormerModule(L.LightningModule):
         policy: HeadSelectionPolicy = lazy_instance(RecencyRatioPolicy),
         operator: ReplacementOperator = lazy_instance(MambaOperator),
         freeze: str | list[str] = "pretrained",
+        freeze_schedule: list[FreezeStage] | None = None,
+        init: Literal["random", "from_attention"] = "random",
+        transfer: TransferConfig | None = None,
+        distill: DistillConfig | None = None,
+        lora: LoraSettings | None = None,
         head_map: str | None = None,
         reuse_profile: bool = True,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
@@ -95,6 +127,19 @@ class RecurFormerModule(L.LightningModule):
                 f"model.freeze: {freeze!r} is not allowed; allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
             )
         self.freeze = freeze
+        self.freeze_schedule = check_schedule(freeze_schedule)
+        if init not in INIT_CHOICES:
+            raise PolicyError(f"model.init: {init!r} is not allowed; allowed: {', '.join(INIT_CHOICES)}")
+        self.init = init
+        self.transfer_config = transfer
+        self.distill = distill
+        self.lora = lora
+        if distill is not None and distill.needs_teacher and distill.share_modules:
+            stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [freeze]
+            if "none" in stages:
+                raise PolicyError(SHARED_TEACHER_FROZEN)
+        self.teacher = None
+        self._stage = None
         self.head_map_path = head_map
         if head_map is not None and not Path(head_map).exists():
             raise SourceError(f"model.head_map: path '{head_map}' does not exist")
@@ -143,11 +188,38 @@ class RecurFormerModule(L.LightningModule):
         log.info(
             "replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed
         )
-        apply_freeze(self.model, self.freeze)
+        self._improve(datamodule)
         self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
         for cb in callbacks:
             if hasattr(cb, "on_after_convert"):
                 cb.on_after_convert(self, datamodule)
+
+    def _improve(self, datamodule) -> None:
+        """The quality methods that act on the freshly converted model, in order: init, transfer,
+        LoRA, freezing, and the teacher for distillation."""
+        if self.init == "from_attention":
+            init_from_attention(self.model, self.operator)
+        if self.transfer_config is not None and self.model.rf_originals:
+            from rfkit.transfer import transfer
+
+            if datamodule is None or getattr(datamodule, "calibration", None) is None:
+                raise PolicyError("model.transfer: attention transfer needs calibration data (a data section)")
+            report = transfer(self.model, datamodule.calibration, self.transfer_config)
+            self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
+        if self.lora is not None:
+            from rfkit.lora import apply_lora
+
+            self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
+        apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
+        self._stage = 0 if self.freeze_schedule else None
+        if self.distill is not None and self.distill.needs_teacher:
+            from rfkit.teacher import SharedTeacher
+
+            stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+            if self.distill.share_modules and any(trains_shared(self.model, f) for f in stages):
+                raise PolicyError(SHARED_TEACHER_FROZEN)
+            self.teacher = SharedTeacher(self.model, self.distill.share_modules)
+            self.run_metrics.update(self.teacher.memory())
 
     # -- training -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, **kwargs):
@@ -160,11 +232,41 @@ class RecurFormerModule(L.LightningModule):
         return summed_nll(logits, ids, batch.get("labels"))
 
     def training_step(self, batch, batch_idx):
-        nll, n = self._nll(batch)
-        loss = nll / n
-        self.train_tokens += batch["input_ids"].numel()
+        ids = batch["input_ids"]
+        mask, labels = batch.get("attention_mask"), batch.get("labels")
+        d = self.distill
+        need_hidden = d is not None and d.hidden > 0
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+        nll, n = summed_nll(out.logits, ids, labels)
+        ce = nll / n
+        self.train_tokens += ids.numel()
+        if d is None:
+            self.log("train_loss", ce, prog_bar=True)
+            return ce
+        loss = d.ce * ce
+        self.log("train_ce", ce)
+        if d.needs_teacher:
+            teacher = self.teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+            if d.kl > 0:
+                keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
+                kl = kl_loss(out.logits[:, :-1], teacher.logits[:, :-1], d.temperature, keep)
+                loss = loss + d.kl * kl
+                self.log("train_kl", kl)
+            if need_hidden:
+                hidden = hidden_loss(out.hidden_states, teacher.hidden_states)
+                loss = loss + d.hidden * hidden
+                self.log("train_hidden", hidden)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if not self.freeze_schedule:
+            return
+        stage = stage_at(self.freeze_schedule, self.global_step)
+        if stage != self._stage:
+            apply_freeze(self.model, self.freeze_schedule[stage].freeze)
+            log.info("freeze schedule: step %d, stage %d (freeze %s)", self.global_step, stage, self.freeze_schedule[stage].freeze)
+            self._stage = stage
 
     def validation_step(self, batch, batch_idx):
         nll, n = self._nll(batch)
@@ -177,7 +279,9 @@ class RecurFormerModule(L.LightningModule):
         return {"nll_sum": nll.detach(), "tokens": n}
 
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+        names = set().union(*(trainable_names(self.model, f) for f in stages))
+        params = [p for n, p in self.model.named_parameters() if n in names]
         if not params:
             raise PolicyError("model.freeze: no parameter is left to train; use freeze: pretrained or none")
         factory = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
@@ -187,17 +291,82 @@ class RecurFormerModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
 
 
+def _is_new(name: str) -> bool:
+    return ".mixer." in name
+
+
+def _is_lora(name: str) -> bool:
+    return ".lora_" in name
+
+
+def trains(name: str, freeze: str | list[str]) -> bool:
+    """Whether parameter ``name`` trains under the ``freeze`` setting (see :class:`RecurFormerModule`)."""
+    if freeze == "none":
+        return True
+    if freeze == "all":
+        return False
+    if freeze == "pretrained":
+        return _is_new(name) or _is_lora(name)
+    if freeze == "mixers":
+        return _is_new(name)
+    if freeze == "lora":
+        return _is_lora(name)
+    return not any(fnmatch.fnmatch(name, pattern) for pattern in freeze)
+
+
+def trainable_names(model, freeze: str | list[str]) -> set[str]:
+    return {name for name, _ in model.named_parameters() if trains(name, freeze)}
+
+
+def trains_shared(model, freeze: str | list[str]) -> bool:
+    """Whether ``freeze`` trains a pretrained weight that the shared teacher also uses."""
+    return any(not (_is_new(n) or _is_lora(n)) for n in trainable_names(model, freeze))
+
+
 def apply_freeze(model, freeze: str | list[str]) -> None:
     """Set ``requires_grad`` per the ``freeze`` setting (see :class:`RecurFormerModule`)."""
     for name, param in model.named_parameters():
-        if freeze == "none":
-            param.requires_grad_(True)
-        elif freeze == "all":
-            param.requires_grad_(False)
-        elif freeze == "pretrained":
-            param.requires_grad_(".mixer." in name)
-        else:
-            param.requires_grad_(not any(fnmatch.fnmatch(name, pattern) for pattern in freeze))
+        param.requires_grad_(trains(name, freeze))
+
+
+def check_schedule(schedule: list[FreezeStage] | None) -> list[FreezeStage] | None:
+    """Validate a freeze schedule: presets or pattern lists, positive steps, open end last only."""
+    if not schedule:
+        return None
+    for i, stage in enumerate(schedule):
+        if isinstance(stage, dict):
+            stage = schedule[i] = FreezeStage(**stage)
+        if isinstance(stage.freeze, str) and stage.freeze not in FREEZE_PRESETS:
+            raise PolicyError(
+                f"model.freeze_schedule[{i}].freeze: {stage.freeze!r} is not allowed; "
+                f"allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
+            )
+        last = i == len(schedule) - 1
+        if stage.steps is None and not last:
+            raise PolicyError(f"model.freeze_schedule[{i}].steps: only the last stage may leave steps empty")
+        if stage.steps is not None and (isinstance(stage.steps, bool) or not isinstance(stage.steps, int) or stage.steps < 1):
+            raise PolicyError(f"model.freeze_schedule[{i}].steps: {stage.steps!r} is not allowed; must be an integer >= 1")
+    return list(schedule)
+
+
+def stage_at(schedule: list[FreezeStage], step: int) -> int:
+    """Index of the stage that covers optimiser step ``step`` (the last stage past the end)."""
+    end = 0
+    for i, stage in enumerate(schedule):
+        if stage.steps is None:
+            return i
+        end += stage.steps
+        if step < end:
+            return i
+    return len(schedule) - 1
+
+
+def init_from_attention(model, operator: ReplacementOperator) -> None:
+    """``init: from_attention``: every new block starts from the attention module it replaced."""
+    layers = model.get_decoder().layers
+    for i, original in model.rf_originals.items():
+        layer = layers[i].self_attn
+        operator.init_from_attention(layer.mixer, original, layer)
 
 
 def check_model_source(name: str, trust_remote_code: bool = False) -> None:

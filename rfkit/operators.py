@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 
+import torch
 from torch import nn
 
 from rfkit.errors import RFKitError
@@ -34,6 +35,12 @@ class ReplacementOperator(ABC):
     @abstractmethod
     def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
         """Implemented by every subclass."""
+
+    def init_from_attention(self, mixer: nn.Module, attention: nn.Module, layer) -> None:
+        """Initialise ``mixer`` from the original ``attention`` module it replaces (``init:
+        from_attention``). ``layer`` is the :class:`~rfkit.modeling.RecurFormerAttention` that holds
+        it (head indices, head_dim). Operators without such an initialisation say so."""
+        raise OperatorError(f"model.init: from_attention is not supported by {type(self).__name__}; use init: random")
 
     def init_args(self) -> dict:
         """The keyword arguments that rebuild this operator (saved in converted model configs)."""
@@ -117,3 +124,77 @@ class MambaOperator(ReplacementOperator):
         if zero:
             nn.init.zeros_(block.out_proj.weight)
         return block
+
+    @torch.no_grad()
+    def init_from_attention(self, mixer: nn.Module, attention: nn.Module, layer) -> None:
+        """Start the block as a gated copy of the values, with B and C reading the keys and queries.
+
+        - ``in_proj`` (x half): channel pairs (+v, -v) for every value channel, so that
+          ``silu(v) - silu(-v) = v`` passes the values through the block's nonlinearity; the
+          remaining channels (expand > 2) keep their random initialisation. The z half (gate)
+          stays random.
+        - ``conv1d``: a unit tap on the current token for those channels, zero bias.
+        - ``x_proj`` (B and C rows): the attention score of a replaced query head is
+          ``q_i . k_j``. Through the least-squares maps ``M_q = W_Q W_V^+`` and
+          ``M_k = W_K W_V^+`` (queries and keys predicted from the values this block sees),
+          the score is ``v_i^T G v_j`` with ``G = M_q^T M_k`` (averaged over the group's
+          replaced query heads). The top singular directions of ``G``, split evenly over the
+          block's KV groups, become C (query side) and B (key side).
+        - ``out_proj``: every replaced query head reads its KV group's value channel pairs
+          (+1 / -1), so the block starts close to handing each head its group's values.
+        """
+        hd = layer.head_dim
+        kv_heads, heads = layer.mixer_kv_heads, layer.replaced_heads
+        d_in, d_inner, n_state = mixer.d_in, mixer.d_inner, mixer.d_state
+        if d_inner < 2 * d_in:
+            raise OperatorError("model.init: from_attention needs model.operator.init_args.expand >= 2")
+        w_in = mixer.in_proj.weight  # (2 * d_inner, d_in)
+        eye = torch.eye(d_in, dtype=w_in.dtype, device=w_in.device)
+        w_in[:d_in] = eye
+        w_in[d_in : 2 * d_in] = -eye
+        conv = mixer.conv1d.weight  # (d_inner, 1, d_conv)
+        conv[: 2 * d_in] = 0
+        conv[: 2 * d_in, 0, -1] = 1
+        if mixer.conv1d.bias is not None:
+            mixer.conv1d.bias[: 2 * d_in] = 0
+
+        # B and C from the query-key bilinear form seen through the values.
+        from rfkit.layout import AttentionLayout
+
+        kv_of = AttentionLayout.from_config(layer.config).kv_head_of
+        group_of = {g: [h for h in heads if kv_of(h) == g] for g in kv_heads}
+        per_group = max(1, n_state // len(kv_heads))
+        w_v = attention.v_proj.weight.float()
+        w_q = attention.q_proj.weight.float()
+        w_k = attention.k_proj.weight.float()
+        x_proj = mixer.x_proj.weight  # (dt_rank + 2N, d_inner)
+        b_rows = x_proj[mixer.dt_rank : mixer.dt_rank + n_state]
+        c_rows = x_proj[mixer.dt_rank + n_state :]
+        b_rows.zero_()
+        c_rows.zero_()
+        for slot, g in enumerate(kv_heads):
+            first = slot * per_group
+            count = min(per_group, n_state - first)
+            if count <= 0:
+                break
+            pinv = torch.linalg.pinv(w_v[g * hd : (g + 1) * hd])  # (hidden, hd)
+            m_k = w_k[g * hd : (g + 1) * hd] @ pinv  # (hd, hd)
+            gram = torch.zeros(hd, hd)
+            for h in group_of[g]:
+                m_q = w_q[h * hd : (h + 1) * hd] @ pinv
+                gram += m_q.T @ m_k / len(group_of[g])
+            u, s, vh = torch.linalg.svd(gram * hd**-0.5)
+            root = s[:count].sqrt()
+            cols = slice(slot * hd, (slot + 1) * hd)  # the +v channels of this group
+            c_rows[first : first + count, cols] = (u[:, :count] * root).T.to(x_proj.dtype)
+            b_rows[first : first + count, cols] = (vh[:count].T * root).T.to(x_proj.dtype)
+
+        # out_proj: each replaced head reads its group's (+v, -v) channels.
+        w_out = mixer.out_proj.weight  # (d_out, d_inner)
+        w_out.zero_()
+        eye_hd = torch.eye(hd, dtype=w_out.dtype, device=w_out.device)
+        for row, h in enumerate(heads):
+            slot = kv_heads.index(kv_of(h))
+            rows = slice(row * hd, (row + 1) * hd)
+            w_out[rows, slot * hd : (slot + 1) * hd] = eye_hd
+            w_out[rows, d_in + slot * hd : d_in + (slot + 1) * hd] = -eye_hd
