@@ -84,3 +84,37 @@ def hidden_loss(student_hidden, teacher_hidden) -> torch.Tensor:
         for s, t in zip(student_hidden[1:], teacher_hidden[1:])
     ]
     return torch.stack(terms).mean()
+
+
+def training_loss(model, batch: dict, config: DistillConfig | None = None, teacher=None) -> tuple[torch.Tensor, dict]:
+    """The training loss of one batch and its logged parts (``ce``, ``kl``, ``hidden``).
+
+    Without ``config`` this is plain next-token cross-entropy (the paper's). ``teacher`` (a
+    :class:`rfkit.teacher.SharedTeacher`) is needed when ``config`` has a KL or hidden term.
+    """
+    from rfkit.module import summed_nll
+
+    ids = batch["input_ids"]
+    mask, labels = batch.get("attention_mask"), batch.get("labels")
+    need_hidden = config is not None and config.hidden > 0
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+    nll, n = summed_nll(out.logits, ids, labels)
+    ce = nll / n
+    if config is None:
+        return ce, {"ce": ce.detach()}
+    parts = {"ce": ce.detach()}
+    loss = config.ce * ce
+    if config.needs_teacher:
+        if teacher is None:
+            raise DistillError("model.distill: the kl and hidden terms need a teacher")
+        reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+        if config.kl > 0:
+            keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
+            kl = kl_loss(out.logits[:, :-1], reference.logits[:, :-1], config.temperature, keep)
+            loss = loss + config.kl * kl
+            parts["kl"] = kl.detach()
+        if need_hidden:
+            hidden = hidden_loss(out.hidden_states, reference.hidden_states)
+            loss = loss + config.hidden * hidden
+            parts["hidden"] = hidden.detach()
+    return loss, parts

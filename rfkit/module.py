@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 
-from rfkit.distill import DistillConfig, hidden_loss, kl_loss
+from rfkit.distill import DistillConfig, training_loss
 from rfkit.lora import LoraSettings
 from rfkit.transfer import TransferConfig
 from rfkit.convert import (
@@ -89,6 +89,9 @@ class RecurFormerModule(L.LightningModule):
             also runs in ``rfkit convert``.
         distill: Distillation losses (:class:`rfkit.distill.DistillConfig`); default plain CE.
         lora: LoRA adapters on kept projections (:class:`rfkit.lora.LoraSettings`), merged on save.
+        gradient_checkpointing: Recompute decoder layers in the backward pass instead of keeping
+            their activations (HF's non-reentrant checkpointing): less memory, about a third
+            more compute. For long sequences on GPUs.
         head_map: Path of an existing ``head_map.json`` to use instead of profiling.
         reuse_profile: Reuse a cached profile for the same model, data and settings.
         dtype: Weight dtype the base model loads in.
@@ -108,6 +111,7 @@ class RecurFormerModule(L.LightningModule):
         transfer: TransferConfig | None = None,
         distill: DistillConfig | None = None,
         lora: LoraSettings | None = None,
+        gradient_checkpointing: bool = False,
         head_map: str | None = None,
         reuse_profile: bool = True,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
@@ -134,6 +138,7 @@ class RecurFormerModule(L.LightningModule):
         self.transfer_config = transfer
         self.distill = distill
         self.lora = lora
+        self.gradient_checkpointing = bool(gradient_checkpointing)
         if distill is not None and distill.needs_teacher and distill.share_modules:
             stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [freeze]
             if "none" in stages:
@@ -210,6 +215,8 @@ class RecurFormerModule(L.LightningModule):
             from rfkit.lora import apply_lora
 
             self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
+        if self.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
         self._stage = 0 if self.freeze_schedule else None
         if self.distill is not None and self.distill.needs_teacher:
@@ -232,30 +239,11 @@ class RecurFormerModule(L.LightningModule):
         return summed_nll(logits, ids, batch.get("labels"))
 
     def training_step(self, batch, batch_idx):
-        ids = batch["input_ids"]
-        mask, labels = batch.get("attention_mask"), batch.get("labels")
-        d = self.distill
-        need_hidden = d is not None and d.hidden > 0
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
-        nll, n = summed_nll(out.logits, ids, labels)
-        ce = nll / n
-        self.train_tokens += ids.numel()
-        if d is None:
-            self.log("train_loss", ce, prog_bar=True)
-            return ce
-        loss = d.ce * ce
-        self.log("train_ce", ce)
-        if d.needs_teacher:
-            teacher = self.teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
-            if d.kl > 0:
-                keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
-                kl = kl_loss(out.logits[:, :-1], teacher.logits[:, :-1], d.temperature, keep)
-                loss = loss + d.kl * kl
-                self.log("train_kl", kl)
-            if need_hidden:
-                hidden = hidden_loss(out.hidden_states, teacher.hidden_states)
-                loss = loss + d.hidden * hidden
-                self.log("train_hidden", hidden)
+        loss, parts = training_loss(self.model, batch, self.distill, self.teacher)
+        self.train_tokens += batch["input_ids"].numel()
+        if self.distill is not None:
+            for name, value in parts.items():
+                self.log(f"train_{name}", value)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

@@ -49,6 +49,13 @@ class TransferConfig:
         readout: ``lstsq`` solves each block's output projection in closed form first; ``none``
             starts from the block's initialisation.
         ridge: Ridge term of the least-squares read-out, relative to the features' mean power.
+        space: Where the MSE is measured: ``heads`` (the replaced heads' outputs before
+            ``W_O``) or ``output`` (after the layer's ``W_O``, the part of the residual update
+            the replaced heads made: directions ``W_O`` ignores cost nothing). The read-out solve
+            is the same in both.
+        time_limit: Seconds for the whole transfer stage (capture, read-out, training): training
+            stops when they are spent even if ``steps`` are not done (``None``: no limit); the
+            report says how many steps ran.
     """
 
     steps: int = 200
@@ -58,6 +65,8 @@ class TransferConfig:
     seq_len: int | None = None
     readout: str = "lstsq"
     ridge: float = 1e-3
+    space: str = "heads"
+    time_limit: float | None = None
 
     def __post_init__(self):
         for name in ("steps", "samples", "batch_size"):
@@ -69,8 +78,12 @@ class TransferConfig:
             raise TransferError(f"model.transfer.seq_len: {self.seq_len!r} is not allowed; must be an integer >= 2 or null")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise TransferError(f"model.transfer.lr: {self.lr!r} is not allowed; must be a number > 0")
+        if self.space not in ("heads", "output"):
+            raise TransferError(f"model.transfer.space: {self.space!r} is not allowed; allowed: heads, output")
         if self.readout not in ("lstsq", "none"):
             raise TransferError(f"model.transfer.readout: {self.readout!r} is not allowed; allowed: lstsq, none")
+        if self.time_limit is not None and not (isinstance(self.time_limit, (int, float)) and self.time_limit > 0):
+            raise TransferError(f"model.transfer.time_limit: {self.time_limit!r} is not allowed; must be a number > 0 or null")
         if not (isinstance(self.ridge, (int, float)) and self.ridge >= 0):
             raise TransferError(f"model.transfer.ridge: {self.ridge!r} is not allowed; must be a number >= 0")
 
@@ -171,8 +184,18 @@ def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, 
         mixer.out_proj.bias.zero_()
 
 
-def train_blocks(mixers: dict[int, nn.Module], data, config: TransferConfig, progress: bool = True, seed: int = 0) -> list[float]:
-    """Train every block on its layer's captured pairs; returns the mean relative loss per step."""
+def train_blocks(
+    mixers: dict[int, nn.Module],
+    data,
+    config: TransferConfig,
+    progress: bool = True,
+    seed: int = 0,
+    deadline: float | None = None,
+    projections: dict[int, torch.Tensor] | None = None,
+) -> list[float]:
+    """Train every block on its layer's captured pairs; returns the mean relative loss per step.
+    ``deadline`` (a ``time.time()`` value) stops training early. ``projections`` (per layer,
+    ``(d_out, hidden)``) measures the error after that map (``space: output``)."""
     from tqdm.auto import tqdm
 
     params = [p for m in mixers.values() for p in m.parameters()]
@@ -186,7 +209,12 @@ def train_blocks(mixers: dict[int, nn.Module], data, config: TransferConfig, pro
     generator = torch.Generator().manual_seed(seed)
     n, length = next(iter(data.values()))[0].shape[:2]
     window = length if config.seq_len is None else min(config.seq_len, length)
-    power = {i: data[i][1].pow(2).mean().clamp_min(1e-12) for i in mixers}
+    proj = {i: (projections or {}).get(i) for i in mixers}
+
+    def mapped(i, x):
+        return x if proj[i] is None else x @ proj[i].to(x.device)
+
+    power = {i: mapped(i, data[i][1][: min(n, 8)]).pow(2).mean().clamp_min(1e-12) for i in mixers}
     losses = []
     bar = tqdm(range(config.steps), desc="transfer: train", unit="step", disable=not progress)
     try:
@@ -199,13 +227,16 @@ def train_blocks(mixers: dict[int, nn.Module], data, config: TransferConfig, pro
                 device = next(mixer.parameters()).device
                 values = data[i][0][rows, start : start + window].to(device)
                 target = data[i][1][rows, start : start + window].to(device)
-                loss = F.mse_loss(mixer(values).float(), target) / power[i].to(device)
+                loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / power[i].to(device)
                 loss.backward()
                 total += float(loss.detach())
             optimizer.step()
             scheduler.step()
             losses.append(total / len(mixers))
             bar.set_postfix(rel_mse=f"{losses[-1]:.4f}")
+            if deadline is not None and time.time() > deadline:
+                log.info("transfer: time limit reached after %d steps", len(losses))
+                break
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
@@ -228,7 +259,13 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
         for i, mixer in mixers.items():
             solve_readout(mixer, *data[i], ridge=config.ridge, batch_size=config.batch_size)
     after_readout = evaluate(mixers, data, config.batch_size)
-    losses = train_blocks(mixers, data, config, progress=progress)
+    deadline = None if config.time_limit is None else started + config.time_limit
+    projections = None
+    if config.space == "output":  # W_O's columns of the replaced heads: the last d_out ones
+        projections = {
+            i: layers[i].self_attn.o_proj.weight[:, -data[i][1].shape[-1] :].detach().float().T.cpu() for i in mixers
+        }
+    losses = train_blocks(mixers, data, config, progress=progress, deadline=deadline, projections=projections)
     after = evaluate(mixers, data, config.batch_size)
     for i, m in mixers.items():
         m.train(was_training[i])
@@ -241,6 +278,7 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
         "mean_mse_before": sum(before.values()) / len(before),
         "mean_mse_after": sum(after.values()) / len(after),
         "losses": losses,
+        "steps_run": len(losses),
         "samples": int(len(blocks)),
         "tokens_captured": int(blocks.numel()),
         "seconds": round(time.time() - started, 1),

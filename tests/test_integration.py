@@ -30,6 +30,8 @@ def smollm2_run(tmp_path_factory):
         "--data.val_blocks", "4",
         "--model.policy.init_args.window", "13",
         "--trainer.max_steps", "2",
+        "--model.transfer.steps", "3",
+        "--model.transfer.samples", "4",
         "--trainer.val_check_interval", "2",
         "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false",
@@ -50,6 +52,10 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     assert summary["cache_bytes_per_token_original"] == 30 * 3 * 2 * 64 * 4
     assert summary["cache_bytes_per_token_converted"] == 30 * 3 * 2 * 64 * 4 / 2
     assert summary["params_removed"] > 0 and summary["params_added"] > 0
+    # the recipe's attention transfer ran on the real model and lowered every layer's error
+    transfer = summary["transfer"]
+    assert transfer["mean_mse_before"] == pytest.approx(1.0)
+    assert all(transfer["mse_after"][k] < transfer["mse_before"][k] for k in transfer["mse_before"])
 
     run = summary_path.parent
     head_map = json.loads((run / "head_map.json").read_text())

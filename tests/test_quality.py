@@ -64,10 +64,12 @@ def test_capture_targets_rebuild_the_original_exactly():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_transfer_reduces_each_layers_mse():
+@pytest.mark.parametrize("space", ["heads", "output"])
+def test_transfer_reduces_each_layers_mse(space):
     _, model = converted()
     blocks = random_ids(8, 32, seed=3)
-    report = transfer(model, blocks, TransferConfig(steps=40, lr=3e-3, samples=8, batch_size=4), progress=False)
+    config = TransferConfig(steps=40, lr=3e-3, samples=8, batch_size=4, space=space)
+    report = transfer(model, blocks, config, progress=False)
     assert report["mean_mse_before"] == pytest.approx(1.0)  # zero-initialised output: predicts 0
     for layer in ("0", "1"):
         assert report["mse_after_readout"][layer] < report["mse_before"][layer]
@@ -100,6 +102,8 @@ def test_transfer_leaves_the_pretrained_weights_alone():
         ("lr", 0.0, "model.transfer.lr: 0.0 is not allowed"),
         ("readout", "svd", "model.transfer.readout: 'svd' is not allowed; allowed: lstsq, none"),
         ("seq_len", 1, "model.transfer.seq_len: 1 is not allowed"),
+        ("space", "logits", "model.transfer.space: 'logits' is not allowed; allowed: heads, output"),
+        ("time_limit", 0, "model.transfer.time_limit: 0 is not allowed"),
     ],
 )
 def test_transfer_settings_are_checked(field, value, message):
@@ -272,11 +276,13 @@ def test_fit_with_transfer_distillation_lora_and_schedule(tiny_model_dir, tiny_c
         "--model.distill.kl", "1.0",
         "--model.distill.hidden", "0.5",
         "--model.lora.r", "2",
+        "--model.gradient_checkpointing", "true",
         "--model.freeze_schedule", '[{"freeze": "mixers", "steps": 2}, {"freeze": "pretrained"}]',
     ]  # fmt: skip
     code, out, err = run_cli(args, capsys)
     assert code == 0, err[-3000:]
     summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
+    assert summary["train_tokens"] > 0
     assert summary["transfer"]["mean_mse_after"] < summary["transfer"]["mean_mse_before"]
     assert summary["shared"] is True and summary["teacher_bytes"] < summary["full_copy_bytes"]
     assert summary["lora_layers"] > 0
@@ -290,3 +296,28 @@ def test_fit_rejects_a_shared_teacher_with_trained_shared_weights(tiny_model_dir
     code, _, err = run_cli(args, capsys)
     assert code == 2
     assert "model.distill.share_modules" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--model.transfer.steps", "-1"], "model.transfer.steps"),
+        (["--model.transfer.space", "logits"], "model.transfer.space"),
+        (["--model.distill.temperature", "0"], "model.distill.temperature"),
+        (["--model.lora.r", "0"], "model.lora.r"),
+        (["--model.init", "identity"], "model.init"),
+        (["--model.freeze_schedule", '[{"freeze": "mixers"}, {"freeze": "lora"}]'], "model.freeze_schedule[0].steps"),
+    ],
+)
+def test_bad_quality_settings_are_one_line_before_loading(extra, field, monkeypatch, tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    import rfkit.convert
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rfkit.convert, "load_base_model", no_loading)
+    code, _, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path), *extra], capsys)
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+    assert len(lines) == 1 and field in lines[0], err[-2000:]
+    assert "Traceback" not in err
