@@ -4,7 +4,7 @@
     rfkit validate --config R.yaml     convert and validate (add --ckpt_path for a trained run)
     rfkit test     --config R.yaml
     rfkit profile  --config R.yaml --output head_map.json
-    rfkit convert  --config R.yaml --output DIR       (no training)
+    rfkit convert  --config R.yaml --output DIR       (attention transfer if the recipe has it; no end-to-end training)
     rfkit bench    cache|speed --model DIR|R.yaml     cache bytes and tokens/s, original vs converted
     rfkit eval     hashhop|passkey|ppl|mqar|lm-eval   the paper's and the reviewers' evaluations
     rfkit data     hashhop --n N --out FILE.jsonl     write evaluation / fine-tuning samples
@@ -106,7 +106,8 @@ class RFTrainer(Trainer):
         return head_map
 
     def convert(self, model, datamodule=None, output: str = "converted"):
-        """Profile, select and replace (no training); save the converted model in HF format.
+        """Profile, select, replace and run the recipe's attention transfer (no end-to-end training);
+        save the converted model in HF format.
 
         Args:
             output: Directory for the converted model (written atomically).

@@ -44,6 +44,7 @@ def tiny_args(model_dir, corpus, root):
         "--trainer.max_steps", "2",
         "--trainer.val_check_interval", "2",
         "--trainer.enable_progress_bar", "false",
+        "--model.transfer.steps", "5",
     ]  # fmt: skip
 
 
