@@ -95,6 +95,9 @@ class SharedTeacher:
         swapped = {}
         device = next(self.model.parameters()).device
         lora = [m for m in _lora_layers(self.model) if not m.disable_adapters]
+        # peft's enable_adapters(True) also sets requires_grad on the adapters: remember and
+        # restore the flags, so a freeze stage that holds the adapters still keeps holding them.
+        flags = [(p, p.requires_grad) for m in lora for p in m.parameters()]
         try:
             for i, original in self.originals.items():
                 ref = layers[i].self_attn.v_proj.weight
@@ -110,6 +113,8 @@ class SharedTeacher:
                 layers[i].self_attn = student
             for m in lora:
                 m.enable_adapters(True)
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
     @torch.no_grad()
     def __call__(self, **inputs):

@@ -217,6 +217,11 @@ def test_lora_merge_gives_identical_logits_and_plain_layers(tmp_path):
         with_adapters = model(input_ids=ids, use_cache=False).logits
         teacher_view = SharedTeacher(model)(input_ids=ids, use_cache=False).logits
     assert not torch.allclose(with_adapters, teacher_view)  # adapters change the model; the teacher ignores them
+    # the teacher leaves the adapters' requires_grad as it found them (a freeze stage may hold them)
+    for _, layer in lora_layers(model):
+        layer.requires_grad_(False)
+    SharedTeacher(model)(input_ids=ids, use_cache=False)
+    assert not any(p.requires_grad for _, layer in lora_layers(model) for p in layer.parameters())
     from rfkit.layout import AttentionLayout
     from rfkit.policies import ExplicitHeads
 
