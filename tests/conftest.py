@@ -79,3 +79,20 @@ def tiny_corpus(tmp_path_factory):
             text = " ".join(rng.choice(words) for _ in range(60))
             f.write(json.dumps({"title": f"doc {i}", "text": text}) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
+    """The tiny GQA llama (4 heads, 2 KV heads, head_dim 16) converted by ``rfkit convert``
+    with the SmolLM2 recipe's settings; tests only read it."""
+    from test_cli import tiny_args
+
+    from rfkit.cli import main
+
+    root = tmp_path_factory.mktemp("converted")
+    out = root / "conv"
+    try:
+        main(["convert", *tiny_args(tiny_model_dir, tiny_corpus, root), "--output", str(out)])
+    except SystemExit as exit:
+        assert not exit.code
+    return out

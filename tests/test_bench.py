@@ -10,26 +10,12 @@ import json
 import pytest
 import torch
 import yaml
-from test_cli import SMOLLM, run_cli, tiny_args
+from test_cli import SMOLLM, run_cli
 from transformers import AutoModelForCausalLM
 
 from rfkit import bench
 from rfkit.cache import cache_bytes
 from rfkit.headmap import HeadMap
-
-
-@pytest.fixture(scope="module")
-def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
-    """The tiny GQA llama (4 heads, 2 KV heads, head_dim 16) converted by ``rfkit convert``."""
-    from rfkit.cli import main
-
-    root = tmp_path_factory.mktemp("bench")
-    out = root / "conv"
-    try:
-        main(["convert", *tiny_args(tiny_model_dir, tiny_corpus, root), "--output", str(out)])
-    except SystemExit as exit:
-        assert not exit.code
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from test_cli import ROOT, run_cli, tiny_args
+from test_cli import ROOT, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TASKS = ROOT / "tests" / "data" / "lm_eval"
@@ -33,20 +33,6 @@ def no_model_load(monkeypatch):
     import rfkit.loading
 
     monkeypatch.setattr(rfkit.loading, "load_model", lambda *a, **k: pytest.fail("the model must not load"))
-
-
-@pytest.fixture(scope="module")
-def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
-    """The tiny GQA llama converted by ``rfkit convert`` (Mamba blocks in place of heads)."""
-    from rfkit.cli import main
-
-    root = tmp_path_factory.mktemp("lm_eval")
-    out = root / "conv"
-    try:
-        main(["convert", *tiny_args(tiny_model_dir, tiny_corpus, root), "--output", str(out)])
-    except SystemExit as exit:
-        assert not exit.code
-    return out
 
 
 def reference_accuracy(model_dir, limit: int | None = None) -> float:
