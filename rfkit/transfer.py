@@ -135,10 +135,6 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
 
 
 # -- training ----------------------------------------------------------------------------------
-def relative_mse(pred: torch.Tensor, target: torch.Tensor) -> float:
-    return float(F.mse_loss(pred, target) / target.pow(2).mean().clamp_min(1e-12))
-
-
 @torch.no_grad()
 def evaluate(mixers: dict[int, nn.Module], data, batch_size: int = 4) -> dict[int, float]:
     """Relative MSE of every layer's block on the captured data."""
