@@ -1,4 +1,5 @@
-"""Head profiling (paper section 3.1): recency ratio RR and recency-aware index RA-I.
+"""Head profiling (paper section 3.1): recency ratio RR, recency-aware index RA-I, and
+normalised attention entropy.
 
 For head h and one sample with causal softmax attention A[h, i, j]::
 
@@ -8,10 +9,22 @@ With first-token exclusion, row 0 and column 0 are left out of both sums, so hea
 attention on token 0 (an attention sink) are judged by where the rest of their attention goes.
 A head's RA-I counts the samples in which RR_h > alpha.
 
+The normalised attention entropy of query row i is the entropy of the row's attention
+distribution divided by its maximum, the log of the number of tokens the row can see::
+
+    E_h,i = -sum_j A[h, i, j] log A[h, i, j] / log(i + 1)        (rows i >= 1)
+
+so a row spread uniformly over its prefix gives 1 and a row on one token gives 0. First-token
+exclusion applies to entropy as it does to RR: column 0 is dropped and each row renormalised
+over tokens 1..i (as the RR denominator leaves the sink's share out), so the row's maximum is
+log(i) and only rows i >= 2 count. A sink head is then judged by how it spreads the rest of its
+attention. A head's entropy in one sample is the mean of E_h,i over the counted rows; the
+profile keeps its mean over samples (``entropy_mean``).
+
 The attention is never materialised for the whole model: profiling swaps in an attention
 function (registered with transformers' ``AttentionInterface``) that computes each layer's
-output in query chunks and accumulates the RR sums on the way, so peak memory is
-O(chunk x L) for one layer.
+output in query chunks and accumulates the RR sums and row entropies on the way, so peak
+memory is O(chunk x L) for one layer.
 """
 
 from __future__ import annotations
@@ -53,9 +66,36 @@ def recency_ratio(attn: torch.Tensor, window: int, exclude_first_token: bool = T
     return (a * numer).sum((-1, -2)) / (a * denom).sum((-1, -2)).clamp_min(1e-30)
 
 
+def _entropy_rows(exclude_first_token: bool) -> tuple[int, int]:
+    """(first counted row, tokens left out of every row): rows with at least two tokens to
+    attend to count; with first-token exclusion column 0 is not among them."""
+    skip = 1 if exclude_first_token else 0
+    return 1 + skip, skip
+
+
+def attention_entropy(attn: torch.Tensor, exclude_first_token: bool = True) -> torch.Tensor:
+    """Mean normalised row entropy per head from full attention matrices ``attn`` (..., H, L, L)
+    -> (..., H).
+
+    The reference definition (see the module docstring), used by tests and for small inputs.
+    """
+    L = attn.shape[-1]
+    first, skip = _entropy_rows(exclude_first_token)
+    if L <= first:
+        return attn.new_zeros(attn.shape[:-2], dtype=torch.float64)
+    a = attn.double()[..., first:, skip:]  # counted rows, visible columns
+    a = a / a.sum(-1, keepdim=True).clamp_min(1e-300)  # renormalised without column 0 (a no-op otherwise)
+    visible = torch.arange(first, L, dtype=torch.float64, device=attn.device) + 1 - skip  # tokens per row
+    rows = -torch.special.xlogy(a, a).sum(-1) / visible.log()
+    return rows.mean(-1)
+
+
 @dataclass
 class HeadProfile:
-    """RR statistics of every query head over the calibration set."""
+    """RR and attention-entropy statistics of every query head over the calibration set.
+
+    Profiles cached before entropy was collected load with an empty ``entropy_mean``.
+    """
 
     window: int
     alpha: float
@@ -65,6 +105,7 @@ class HeadProfile:
     rai: list[list[int]]  # (layers, query heads): samples with RR > alpha
     rr_mean: list[list[float]]  # (layers, query heads)
     meta: dict = field(default_factory=dict)
+    entropy_mean: list[list[float]] = field(default_factory=list)  # (layers, query heads), in [0, 1]
 
 
 class _RecencyCollector:
@@ -74,10 +115,12 @@ class _RecencyCollector:
         shape = (layout.num_layers, layout.num_heads)
         self.rai = torch.zeros(shape, dtype=torch.long)
         self.rr_sum = torch.zeros(shape, dtype=torch.float64)
+        self.entropy_sum = torch.zeros(shape, dtype=torch.float64)
         self.samples = 0
 
     def attend(self, module, query, key, value, scaling: float):
-        """Causal attention in query chunks; accumulates RR. query (B, H, L, d), key/value (B, Hkv, L, d)."""
+        """Causal attention in query chunks; accumulates RR and entropy.
+        query (B, H, L, d), key/value (B, Hkv, L, d)."""
         B, H, L, _ = query.shape
         rep = H // key.shape[1]
         key = key.repeat_interleave(rep, dim=1) if rep > 1 else key
@@ -85,6 +128,8 @@ class _RecencyCollector:
         out = torch.empty_like(query)
         numer = torch.zeros(B, H, dtype=torch.float64, device=query.device)
         denom = torch.zeros_like(numer)
+        entropy = torch.zeros_like(numer)
+        first, skip = _entropy_rows(self.exclude_first_token)
         for start in range(0, L, self.chunk):
             rows = torch.arange(start, min(L, start + self.chunk), device=query.device)
             scores = torch.matmul(query[:, :, rows], key.transpose(-1, -2)).float() * scaling  # (B, H, c, L)
@@ -94,13 +139,26 @@ class _RecencyCollector:
             n_mask, d_mask = recency_mask(rows, L, self.window, self.exclude_first_token)
             numer += (probs * n_mask).sum((-1, -2)).double()
             denom += (probs * d_mask).sum((-1, -2)).double()
+            entropy += self._row_entropy(scores, probs, rows, first, skip)
         rr = (numer / denom.clamp_min(1e-30)).cpu()  # (B, H)
         layer = module.layer_idx
         self.rai[layer] += (rr > self.alpha).sum(0)
         self.rr_sum[layer] += rr.sum(0)
+        self.entropy_sum[layer] += (entropy / max(1, L - first)).sum(0).cpu()  # mean over counted rows
         if layer == 0:
             self.samples += B
         return out.transpose(1, 2).contiguous()  # (B, L, H, d) as HF attention functions return
+
+    @staticmethod
+    def _row_entropy(scores, probs, rows, first: int, skip: int) -> torch.Tensor:
+        """Sum over the chunk's counted rows of their normalised entropy, (B, H) float64.
+        ``scores`` (B, H, c, L) are causally masked; ``probs`` their softmax."""
+        if skip:  # renormalise over tokens 1..i: a softmax without column 0 (one more (B, H, c, L) buffer)
+            probs = scores[..., skip:].softmax(-1)  # row 0 gives NaN; never counted
+        visible = (rows + 1 - skip).to(torch.float64)  # tokens each row sees
+        per_row = -torch.special.xlogy(probs, probs).sum(-1).double() / visible.log()  # (B, H, c)
+        counted = rows >= first
+        return torch.where(counted, per_row, torch.zeros_like(per_row)).sum(-1)
 
 
 _ACTIVE: _RecencyCollector | None = None
@@ -149,7 +207,8 @@ def profile_heads(
     chunk: int = 128,
     progress: bool = True,
 ) -> HeadProfile:
-    """Run calibration ``batches`` (dicts with ``input_ids`` (B, L)) through ``model``; return RR stats."""
+    """Run calibration ``batches`` (dicts with ``input_ids`` (B, L)) through ``model``; return RR
+    and entropy stats."""
     layout = AttentionLayout.from_config(model.config)
     collector = _RecencyCollector(layout, window, alpha, exclude_first_token, chunk)
     device = next(model.parameters()).device
@@ -165,6 +224,7 @@ def profile_heads(
     if collector.samples == 0:
         raise ValueError("profiling got no calibration samples")
     rr_mean = (collector.rr_sum / collector.samples).tolist()
+    entropy_mean = (collector.entropy_sum / collector.samples).tolist()
     return HeadProfile(
         window=window,
         alpha=alpha,
@@ -173,4 +233,5 @@ def profile_heads(
         samples=collector.samples,
         rai=collector.rai.tolist(),
         rr_mean=[[round(v, 6) for v in row] for row in rr_mean],
+        entropy_mean=[[round(v, 6) for v in row] for row in entropy_mean],
     )
