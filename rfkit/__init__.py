@@ -10,15 +10,32 @@ __version__ = "0.1.0"
 
 from rfkit import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
 from rfkit.errors import RFKitError  # noqa: E402
-from rfkit.operators import MambaOperator, ReplacementOperator  # noqa: E402
-from rfkit.policies import ExplicitHeads, HeadSelectionPolicy, RecencyRatioPolicy  # noqa: E402
+from rfkit.operators import (  # noqa: E402
+    MambaOperator,
+    ReplacementOperator,
+    SinkRecentOperator,
+    SlidingWindowOperator,
+)
+from rfkit.policies import (  # noqa: E402
+    ExplicitHeads,
+    FromHeadMap,
+    HeadSelectionPolicy,
+    LayerwisePolicy,
+    RandomHeads,
+    RecencyRatioPolicy,
+)
 
 __all__ = [
     "ExplicitHeads",
+    "FromHeadMap",
     "HeadSelectionPolicy",
+    "LayerwisePolicy",
     "MambaOperator",
     "RFKitError",
+    "RandomHeads",
     "RecencyRatioPolicy",
     "ReplacementOperator",
+    "SinkRecentOperator",
+    "SlidingWindowOperator",
     "__version__",
 ]

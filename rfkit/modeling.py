@@ -126,7 +126,20 @@ class RecurFormerAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
         self.v_proj = nn.Linear(hidden, layout.num_kv_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
-        self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
+        # operators that keep attending (inputs "qkv") read the replaced heads' own queries and
+        # keys: their pretrained projections stay, as mq_proj / mk_proj
+        self.mixer_reads_qk = getattr(operator, "inputs", "values") == "qkv"
+        self.mq_proj = self.mk_proj = None
+        if self.mixer_reads_qk:
+            self.mq_proj = nn.Linear(hidden, len(replaced) * hd, bias=qkv_bias)
+            self.mk_proj = nn.Linear(hidden, len(mixer_kv) * hd, bias=qkv_bias)
+            kv_for_query = [mixer_kv.index(layout.kv_head_of(h)) for h in replaced]
+            d_in = (len(replaced) + 2 * len(mixer_kv)) * hd
+            self.mixer = operator.build(
+                d_in, len(replaced) * hd, layer_idx, kv_for_query=kv_for_query, head_dim=hd, scaling=self.scaling
+            )
+        else:
+            self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
 
     # -- conversion -------------------------------------------------------------------------
     @torch.no_grad()
@@ -143,6 +156,12 @@ class RecurFormerAttention(nn.Module):
             if self.q_proj.bias is not None:
                 self.q_proj.bias.copy_(rows(attn.q_proj.bias, self.kept_heads))
                 self.k_proj.bias.copy_(rows(attn.k_proj.bias, self.kept_kv_heads))
+        if self.mq_proj is not None:
+            self.mq_proj.weight.copy_(rows(attn.q_proj.weight, self.replaced_heads))
+            self.mk_proj.weight.copy_(rows(attn.k_proj.weight, self.mixer_kv_heads))
+            if self.mq_proj.bias is not None:
+                self.mq_proj.bias.copy_(rows(attn.q_proj.bias, self.replaced_heads))
+                self.mk_proj.bias.copy_(rows(attn.k_proj.bias, self.mixer_kv_heads))
         self.v_proj.load_state_dict(attn.v_proj.state_dict())
         order = self.kept_heads + self.replaced_heads
         self.o_proj.weight.copy_(torch.cat([attn.o_proj.weight[:, h * hd : (h + 1) * hd] for h in order], dim=1))
@@ -198,6 +217,11 @@ class RecurFormerAttention(nn.Module):
             past_key_values.update(empty, empty, self.layer_idx)
             _count_headless_tokens(past_key_values, self.layer_idx)
         mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        if self.mixer_reads_qk:
+            mq = self.mq_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+            mk = self.mk_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+            mq, mk = apply_rotary_pos_emb(mq, mk, *position_embeddings)
+            mixer_in = torch.cat([mq.transpose(1, 2).reshape(B, L, -1), mk.transpose(1, 2).reshape(B, L, -1), mixer_in], dim=-1)
         outputs.append(self._mix(mixer_in, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
 

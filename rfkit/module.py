@@ -92,7 +92,8 @@ class RecurFormerModule(L.LightningModule):
         gradient_checkpointing: Recompute decoder layers in the backward pass instead of keeping
             their activations (HF's non-reentrant checkpointing): less memory, about a third
             more compute. For long sequences on GPUs.
-        head_map: Path of an existing ``head_map.json`` to use instead of profiling.
+        head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
+            (the same as ``policy: rfkit.policies.FromHeadMap``).
         reuse_profile: Reuse a cached profile for the same model, data and settings.
         dtype: Weight dtype the base model loads in.
         trust_remote_code: Passed to transformers; off unless you trust the model's code.
@@ -146,7 +147,9 @@ class RecurFormerModule(L.LightningModule):
         self.teacher = None
         self._stage = None
         self.head_map_path = head_map
-        if head_map is not None and not Path(head_map).exists():
+        from rfkit.headmap import is_url
+
+        if head_map is not None and not is_url(head_map) and not Path(head_map).exists():
             raise SourceError(f"model.head_map: path '{head_map}' does not exist")
         self.reuse_profile = reuse_profile
         self.dtype_name = dtype
@@ -162,6 +165,16 @@ class RecurFormerModule(L.LightningModule):
         self.started = time.time()
 
     # -- conversion ---------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Before ``fit`` loads anything: a training-free operator with a freeze setting that
+        trains nothing else is refused here rather than after the model has loaded."""
+        if stage != "fit" or getattr(self.operator, "trainable", True):
+            return
+        stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+        idle = {"mixers", "all"} | ({"pretrained", "lora"} if self.lora is None else set())
+        if all(isinstance(f, str) and f in idle for f in stages):
+            raise PolicyError(no_weights_message(self.operator, stages[0]))
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
@@ -172,10 +185,12 @@ class RecurFormerModule(L.LightningModule):
         """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
         ``on_after_convert`` see the original and the converted model."""
         model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
-        if self.head_map_path:
-            head_map = HeadMap.load(self.head_map_path)
-        else:
-            head_map = build_head_map(model, self.base_model, self.policy, datamodule, reuse=self.reuse_profile)
+        policy = self.policy
+        if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
+            from rfkit.policies import FromHeadMap
+
+            policy = FromHeadMap.for_field(self.head_map_path, "model.head_map")
+        head_map = build_head_map(model, self.base_model, policy, datamodule, reuse=self.reuse_profile)
         self.model = model
         for cb in callbacks:
             if hasattr(cb, "on_before_convert"):
@@ -204,7 +219,10 @@ class RecurFormerModule(L.LightningModule):
         LoRA, freezing, and the teacher for distillation."""
         if self.init == "from_attention":
             init_from_attention(self.model, self.operator)
-        if self.transfer_config is not None and self.model.rf_originals:
+        trainable = getattr(self.operator, "trainable", True)
+        if self.transfer_config is not None and not trainable:
+            log.info("model.transfer: skipped, %s has no weights to learn", type(self.operator).__name__)
+        if self.transfer_config is not None and trainable and self.model.rf_originals:
             from rfkit.transfer import transfer
 
             if datamodule is None or getattr(datamodule, "calibration", None) is None:
@@ -271,12 +289,21 @@ class RecurFormerModule(L.LightningModule):
         names = set().union(*(trainable_names(self.model, f) for f in stages))
         params = [p for n, p in self.model.named_parameters() if n in names]
         if not params:
+            if not getattr(self.operator, "trainable", True):
+                raise PolicyError(no_weights_message(self.operator, self.freeze))
             raise PolicyError("model.freeze: no parameter is left to train; use freeze: pretrained or none")
         factory = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
         optimizer = factory(params)
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+def no_weights_message(operator, freeze) -> str:
+    return (
+        f"model.freeze: {type(operator).__name__} has no weights to train, so freeze {freeze!r} leaves nothing; "
+        "use rfkit convert (training-free), or freeze: none (or lora with a lora section) to fine-tune"
+    )
 
 
 def _is_new(name: str) -> bool:

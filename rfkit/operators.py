@@ -12,6 +12,14 @@ replaced heads' outputs ``(B, L, d_out)`` in their original head order. Its call
 ``state`` is a tuple of tensors whose size does not grow with the sequence. When a chunk
 holds padding (a left-padded batch), the two forward calls also get ``mask=`` (B, L), 1 for
 real tokens; pad tokens must leave the state untouched. Unpadded input never sends a mask.
+``mixer.state_bytes(batch_size, dtype)`` gives the bytes of one state (cache accounting).
+
+What ``x`` holds is the operator's :attr:`ReplacementOperator.inputs`: ``"values"`` (the default,
+RecurFormer's choice) is the replaced heads' KV-head values only; ``"qkv"`` is their rotated
+queries, keys and values concatenated, ``(B, L, Hq*hd + 2*Hkv*hd)``, for operators that keep
+attending (:class:`SlidingWindowOperator`, :class:`SinkRecentOperator`). ``qkv`` operators are
+built with ``build(d_in, d_out, layer_idx, kv_for_query=..., head_dim=..., scaling=...)``, and
+the converted layer keeps the replaced heads' pretrained query and key projections for them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ class OperatorError(RFKitError):
 
 class ReplacementOperator(ABC):
     """Base class for operators."""
+
+    #: what the mixer reads: ``"values"`` or ``"qkv"`` (see the module docstring)
+    inputs: str = "values"
+    #: whether the mixer has weights to learn (``rfkit fit`` / attention transfer train them)
+    trainable: bool = True
 
     @abstractmethod
     def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
@@ -198,3 +211,55 @@ class MambaOperator(ReplacementOperator):
             rows = slice(row * hd, (row + 1) * hd)
             w_out[rows, slot * hd : (slot + 1) * hd] = eye_hd
             w_out[rows, d_in + slot * hd : d_in + (slot + 1) * hd] = -eye_hd
+
+
+class SlidingWindowOperator(ReplacementOperator):
+    """Replaced heads attend to the last ``window`` tokens only (RazorAttention's treatment of
+    non-retrieval heads): their cache is a constant ``window`` tokens instead of the whole
+    sequence. No new weights; the heads keep their pretrained projections.
+
+    Args:
+        window: Tokens each replaced head sees, the current one included.
+    """
+
+    inputs = "qkv"
+    trainable = False
+    sink = 0
+
+    def __init__(self, window: int = 64):
+        self.window = _positive_int("window", window)
+
+    def init_args(self) -> dict:
+        return {"window": self.window}
+
+    def build(self, d_in: int, d_out: int, layer_idx: int, kv_for_query=None, head_dim=None, scaling=None) -> nn.Module:
+        from rfkit.window import WindowAttention
+
+        if kv_for_query is None or head_dim is None:
+            raise OperatorError(f"{type(self).__name__} reads queries and keys: build it through a converted layer")
+        block = WindowAttention(kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling)
+        if (block.d_in, block.d_out) != (d_in, d_out):
+            raise OperatorError(f"{type(self).__name__}: widths ({d_in}, {d_out}) do not match {len(kv_for_query)} heads of {head_dim}")
+        return block
+
+
+class SinkRecentOperator(SlidingWindowOperator):
+    """Replaced heads attend to the first ``sink`` tokens and the last ``window`` tokens
+    (StreamingLLM, DuoAttention's streaming heads). ``sink=4, window=16`` holds exactly as many
+    cache bytes as the default Mamba block (d_state 16, d_conv 4, expand 2), so the two can be
+    compared at matched cache size.
+
+    Args:
+        sink: Leading tokens always kept (attention sinks).
+        window: Recent tokens kept, the current one included.
+    """
+
+    def __init__(self, sink: int = 4, window: int = 60):
+        super().__init__(window)
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise OperatorError(f"model.operator.sink: {sink!r} is not allowed; must be an integer >= 0")
+        self.sink = sink
+
+    def init_args(self) -> dict:
+        return {"sink": self.sink, "window": self.window}
+

@@ -80,6 +80,9 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
             single query heads.
         scope: ``global`` ranks units across all layers; ``per_layer`` replaces the same
             fraction in every layer.
+        keep_layers: Layers that keep all their heads (for example ``[0, 1]``: an error in an
+            early layer reaches every later one). ``beta`` stays a fraction of all units, so
+            the other layers give up more.
     """
 
     needs_profile = True
@@ -92,8 +95,10 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
         exclude_first_token: bool = True,
         granularity: Literal["kv_group", "query_head"] = "kv_group",
         scope: Literal["global", "per_layer"] = "global",
+        keep_layers: list[int] | None = None,
     ):
         super().__init__(beta)
+        self.keep_layers = _check_layers("keep_layers", keep_layers)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise PolicyError(f"model.policy.window: {window!r} is not allowed; window must be an integer >= 1")
         if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
@@ -110,7 +115,10 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
         return {"window": self.window, "alpha": self.alpha, "exclude_first_token": self.exclude_first_token}
 
     def describe(self) -> dict:
-        return {**super().describe(), **self.profile_settings(), "granularity": self.granularity, "scope": self.scope}
+        extra = {"granularity": self.granularity, "scope": self.scope}
+        if self.keep_layers:
+            extra["keep_layers"] = self.keep_layers
+        return {**super().describe(), **self.profile_settings(), **extra}
 
     def unit_scores(self, layout: AttentionLayout, profile: HeadProfile) -> dict[tuple[int, int], tuple[float, float]]:
         """(layer, unit) -> (RA-I, mean RR) where a unit is a KV group or a query head."""
@@ -131,12 +139,15 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
     def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:
         if profile is None:
             raise PolicyError("RecencyRatioPolicy needs a calibration profile")
+        _check_layers("keep_layers", self.keep_layers, layout.num_layers)
         scores = self.unit_scores(layout, profile)
+        n_all = len(scores)
+        scores = {key: s for key, s in scores.items() if key[0] not in self.keep_layers}
         if self.scope == "global":
-            chosen = _top(scores, _count(self.beta, len(scores)))
+            chosen = _top(scores, _count(self.beta, n_all))
         else:
             chosen = []
-            for layer in range(layout.num_layers):
+            for layer in sorted({key[0] for key in scores}):
                 in_layer = {key: s for key, s in scores.items() if key[0] == layer}
                 chosen += _top(in_layer, _count(self.beta, len(in_layer)))
         return units_to_heads(layout, chosen, self.granularity)
@@ -149,6 +160,141 @@ def units_to_heads(layout: AttentionLayout, units, granularity: str) -> Selectio
         heads = layout.query_heads_of(unit) if granularity == "kv_group" else [unit]
         selected[layer].extend(heads)
     return [sorted(set(s)) for s in selected]
+
+
+def _check_granularity(granularity: str) -> str:
+    if granularity not in ("kv_group", "query_head"):
+        raise PolicyError(f"model.policy.granularity: {granularity!r} is not allowed; allowed: kv_group, query_head")
+    return granularity
+
+
+def _check_layers(field: str, layers, num_layers: int | None = None) -> list[int]:
+    """A list of distinct layer indices (>= 0, and < ``num_layers`` when known)."""
+    if layers is None:
+        return []
+    if isinstance(layers, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise PolicyError(f"model.policy.{field}: {layers!r} is not allowed; give a list of layer indices")
+    bad = [i for i in layers if i < 0 or (num_layers is not None and i >= num_layers)]
+    if bad:
+        allowed = f"0..{num_layers - 1}" if num_layers is not None else "integers >= 0"
+        raise PolicyError(f"model.policy.{field}: layers {bad} are not allowed; allowed: {allowed}")
+    return sorted(set(layers))
+
+
+def _all_units(layout: AttentionLayout, granularity: str) -> list[tuple[int, int]]:
+    per_layer = layout.num_kv_heads if granularity == "kv_group" else layout.num_heads
+    return [(layer, u) for layer in range(layout.num_layers) for u in range(per_layer)]
+
+
+class RandomHeads(HeadSelectionPolicy):
+    """Replace a random fraction ``beta`` of units: the control that shows what the recency
+    ranking buys. The same ``seed`` gives the same selection.
+
+    Args:
+        beta: Fraction of units (KV groups or query heads) to replace, in [0, 1].
+        seed: Seed of the draw.
+        granularity: ``kv_group`` (whole KV groups, frees KV cache in GQA models) or ``query_head``.
+        keep_layers: Layers that are never touched (their units are not drawn).
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        seed: int = 0,
+        granularity: Literal["kv_group", "query_head"] = "kv_group",
+        keep_layers: list[int] | None = None,
+    ):
+        super().__init__(beta)
+        self.seed = int(seed)
+        self.granularity = _check_granularity(granularity)
+        self.keep_layers = _check_layers("keep_layers", keep_layers)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "seed": self.seed, "granularity": self.granularity, "keep_layers": self.keep_layers}
+
+    def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:
+        import random
+
+        _check_layers("keep_layers", self.keep_layers, layout.num_layers)
+        units = _all_units(layout, self.granularity)
+        pool = [u for u in units if u[0] not in self.keep_layers]
+        n = min(len(pool), _count(self.beta, len(units)))
+        chosen = random.Random(self.seed).sample(pool, n)
+        return units_to_heads(layout, chosen, self.granularity)
+
+
+class LayerwisePolicy(HeadSelectionPolicy):
+    """Replace whole layers (every head of a layer): the between-layer hybrid baseline of
+    MambaInLlama and Jamba, against which head-level replacement is compared.
+
+    Args:
+        beta: Fraction of layers to replace, in [0, 1] (ignored when ``layers`` is given).
+        layers: Explicit layer indices to replace.
+        choose: How ``beta`` picks layers: ``spread`` spaces them evenly over the depth,
+            interleaved with attention layers as the distilled hybrids do, and never picks
+            layer 0; ``recency`` takes the layers whose heads have the highest summed RA-I
+            (needs a calibration profile).
+        window: Local window k for the ``recency`` profile (as RecencyRatioPolicy).
+        alpha: RR threshold for the ``recency`` profile.
+        exclude_first_token: Leave token 0 out of the RR sums.
+        keep_layers: Layers never replaced.
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        layers: list[int] | None = None,
+        choose: Literal["spread", "recency"] = "spread",
+        window: int = 51,
+        alpha: float = 0.5,
+        exclude_first_token: bool = True,
+        keep_layers: list[int] | None = None,
+    ):
+        super().__init__(beta)
+        if choose not in ("spread", "recency"):
+            raise PolicyError(f"model.policy.choose: {choose!r} is not allowed; allowed: spread, recency")
+        self.layers = _check_layers("layers", layers) if layers is not None else None
+        self.choose = choose
+        self._recency = RecencyRatioPolicy(window, alpha, beta, exclude_first_token)  # validates the settings
+        self.keep_layers = _check_layers("keep_layers", keep_layers)
+
+    @property
+    def needs_profile(self) -> bool:  # type: ignore[override]
+        return self.layers is None and self.choose == "recency"
+
+    def profile_settings(self) -> dict | None:
+        return self._recency.profile_settings() if self.needs_profile else None
+
+    def describe(self) -> dict:
+        extra = {"layers": self.layers, "choose": self.choose, "keep_layers": self.keep_layers}
+        if self.needs_profile:
+            extra.update(self._recency.profile_settings())
+        return {**super().describe(), **extra}
+
+    def layer_choice(self, layout: AttentionLayout, profile: HeadProfile | None) -> list[int]:
+        n_layers = layout.num_layers
+        if self.layers is not None:
+            return _check_layers("layers", self.layers, n_layers)
+        _check_layers("keep_layers", self.keep_layers, n_layers)
+        pool = [i for i in range(n_layers) if i not in self.keep_layers]
+        n = min(len(pool), _count(self.beta, n_layers))
+        if n == 0:
+            return []
+        if self.choose == "recency":
+            if profile is None:
+                raise PolicyError("model.policy.choose: recency needs a calibration profile (a data section)")
+            score = {i: (float(sum(profile.rai[i])), sum(profile.rr_mean[i])) for i in pool}
+            return sorted(_top(score, n))
+        # spread: n evenly spaced positions over the pool, starting after its first layer
+        step = len(pool) / n
+        return sorted({pool[min(len(pool) - 1, int((k + 1) * step - 1e-9))] for k in range(n)})
+
+    def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:
+        chosen = set(self.layer_choice(layout, profile))
+        selected = [list(range(layout.num_heads)) if i in chosen else [] for i in range(layout.num_layers)]
+        if self.layers is not None:
+            self.beta = len(chosen) / layout.num_layers
+        return selected
 
 
 class ExplicitHeads(HeadSelectionPolicy):
@@ -173,3 +319,50 @@ class ExplicitHeads(HeadSelectionPolicy):
         total = sum(len(s) for s in selected)
         self.beta = total / layout.total_heads
         return selected
+
+
+class FromHeadMap(HeadSelectionPolicy):
+    """Reuse the selection of an existing head map: nothing is profiled.
+
+    The map must be for the same attention layout (layers, query heads, KV heads); a map
+    made on another model of that shape is used with a warning. The head map the run writes
+    keeps the source map's profile and provenance and records the file in ``source``.
+
+    Args:
+        path: A ``head_map.json`` file, or an ``http(s)://`` or ``file://`` URL of one
+            (downloaded once into the rfkit cache, ``<cache>/head_maps/``).
+    """
+
+    needs_profile = False
+    #: the recipe field named in errors (``model.head_map`` when the module routes its argument here)
+    field = "model.policy.path"
+
+    def __init__(self, path: str):
+        super().__init__(beta=0.0)
+        self._open(path)
+
+    @classmethod
+    def for_field(cls, path: str, field: str) -> "FromHeadMap":
+        """A FromHeadMap whose errors name ``field`` instead of ``model.policy.path``."""
+        policy = cls.__new__(cls)
+        HeadSelectionPolicy.__init__(policy, beta=0.0)
+        policy.field = field
+        policy._open(path)
+        return policy
+
+    def _open(self, path: str) -> None:
+        from rfkit.headmap import fetch_head_map
+
+        self.path = str(path)
+        self.head_map, self.source = fetch_head_map(self.path, self.field)
+        self.beta = self.head_map.replaced_heads / self.head_map.total_heads
+
+    def profile_settings(self) -> None:
+        return None
+
+    def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:
+        self.head_map.check_layout(layout, self.field, self.path)
+        return [sorted(set(s)) for s in self.head_map.selected]
+
+    def describe(self) -> dict:
+        return {**super().describe(), "path": self.path}

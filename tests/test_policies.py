@@ -77,3 +77,60 @@ def test_layout_rejects_unknown_model_types():
 
     with pytest.raises(LayoutError, match="gpt2"):
         AttentionLayout.from_config(Cfg())
+
+
+# -- the comparison policies ---------------------------------------------------------------------
+from rfkit.policies import LayerwisePolicy, RandomHeads  # noqa: E402
+
+DEEP = AttentionLayout("llama", num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+
+
+def test_keep_layers_moves_the_budget_to_the_other_layers():
+    # without keep_layers beta 0.5 takes L1G1 and L0G0; keeping layer 0 takes both groups of layer 1
+    assert RecencyRatioPolicy(beta=0.5, keep_layers=[0]).select(LAYOUT, PROFILE) == [[], [0, 1, 2, 3]]
+    assert RecencyRatioPolicy(beta=0.5, keep_layers=[0, 1]).select(LAYOUT, PROFILE) == [[], []]
+
+
+def test_random_heads_is_seeded_counts_beta_and_respects_keep_layers():
+    a = RandomHeads(beta=0.5, seed=3).select(DEEP, None)
+    assert a == RandomHeads(beta=0.5, seed=3).select(DEEP, None)
+    assert sum(len(s) for s in a) == 12  # 6 of 12 KV groups, 2 query heads each
+    assert all(len(s) in (0, 2, 4) and s in ([], [0, 1], [2, 3], [0, 1, 2, 3]) for s in a)  # whole groups
+    draws = {str(RandomHeads(beta=0.5, seed=s).select(DEEP, None)) for s in range(5)}
+    assert len(draws) > 1
+    kept = RandomHeads(beta=0.25, seed=0, granularity="query_head", keep_layers=[0, 5]).select(DEEP, None)
+    assert kept[0] == [] and kept[5] == [] and sum(len(s) for s in kept) == 6
+
+
+def test_layerwise_replaces_whole_layers():
+    spread = LayerwisePolicy(beta=0.5).select(DEEP, None)
+    assert [i for i, s in enumerate(spread) if s] == [1, 3, 5]  # interleaved, layer 0 kept
+    assert all(s == [0, 1, 2, 3] for s in spread if s)
+    assert [i for i, s in enumerate(LayerwisePolicy(beta=1 / 3).select(DEEP, None)) if s] == [2, 5]
+    explicit = LayerwisePolicy(layers=[0, 4])
+    assert [i for i, s in enumerate(explicit.select(DEEP, None)) if s] == [0, 4]
+    assert explicit.beta == pytest.approx(2 / 6)
+    assert LayerwisePolicy(beta=0.5, keep_layers=[1, 3]).layer_choice(DEEP, None) == [2, 4, 5]
+
+
+def test_layerwise_recency_takes_the_layers_with_most_recency_aware_heads():
+    policy = LayerwisePolicy(beta=0.5, choose="recency", window=4)
+    assert policy.needs_profile and policy.profile_settings()["window"] == 4
+    assert policy.select(LAYOUT, PROFILE) == [[], [0, 1, 2, 3]]  # layer 1's RA-I sum 25 > layer 0's 20
+    assert LayerwisePolicy(beta=0.5).profile_settings() is None  # spread needs no profile
+
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: RandomHeads(beta=1.5), "model.policy.beta"),
+        (lambda: RandomHeads(granularity="layer"), "model.policy.granularity"),
+        (lambda: LayerwisePolicy(choose="best"), "model.policy.choose"),
+        (lambda: LayerwisePolicy(layers=[-1]), "model.policy.layers"),
+        (lambda: RecencyRatioPolicy(keep_layers="0"), "model.policy.keep_layers"),
+        (lambda: LayerwisePolicy(layers=[7]).select(DEEP, None), "model.policy.layers"),
+    ],
+)
+def test_bad_comparison_policy_settings_name_the_field(make, field):
+    with pytest.raises(PolicyError, match=field):
+        make()
