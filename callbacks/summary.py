@@ -1,4 +1,4 @@
-"""Writes the run's summary.json, head map and converted model at the end of ``rfkit fit``."""
+"""Writes the run's summary.json, head map and converted model (with its model card) at the end of ``rfkit fit``."""
 
 from __future__ import annotations
 
@@ -61,9 +61,20 @@ class RunSummary(L.Callback):
             from rfkit.convert import save_converted
 
             tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-            summary["model_dir"] = str(save_converted(pl_module.model, pl_module.head_map, out / "model", tokenizer))
+            saved = save_converted(
+                pl_module.model, pl_module.head_map, out / "model", tokenizer, config_text(trainer, out), metrics=summary
+            )
+            summary["model_dir"] = str(saved)
         atomic_write_json(out / "summary.json", summary)
         print(format_summary(summary, out / "summary.json"))
+
+
+def config_text(trainer, out: Path) -> str | None:
+    """The run's resolved recipe: what the rfkit CLI handed the trainer, else the log dir's config.yaml."""
+    text = getattr(trainer, "rf_config_text", None)
+    if text is None and (out / "config.yaml").is_file():
+        text = (out / "config.yaml").read_text()
+    return text
 
 
 def format_summary(summary: dict, path: Path) -> str:

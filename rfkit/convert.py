@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from rfkit.headmap import HeadMap, load_profile, save_profile
+from rfkit.errors import RFKitError
+from rfkit.headmap import HeadMap, atomic_write_text, load_profile, model_fingerprint, save_profile
 from rfkit.hub import cache_dir, resolve_model
 from rfkit.layout import AttentionLayout
 from rfkit.operators import ReplacementOperator
-from rfkit.policies import HeadSelectionPolicy
+from rfkit.policies import FromHeadMap, HeadSelectionPolicy
 from rfkit.profile import profile_heads
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,9 @@ def load_base_model(name: str, dtype: str = "float32", trust_remote_code: bool =
 
 
 def profile_cache_path(model_name: str, data_fingerprint: str, settings: dict, samples: int) -> Path:
-    key = json.dumps({"model": model_name, "data": data_fingerprint, "samples": samples, **settings}, sort_keys=True)
+    # "stats": bump when profile_heads collects new statistics (2: attention entropy), so older
+    # cached profiles, which lack them, are not reused
+    key = json.dumps({"model": model_name, "data": data_fingerprint, "samples": samples, "stats": 2, **settings}, sort_keys=True)
     return cache_dir() / "profiles" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -68,6 +72,44 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     return profile, data_info
 
 
+def _weights_dir(model_name: str) -> str | None:
+    """The local directory holding ``model_name``'s weight files, if it can be found without
+    downloading anything: a local or embedded model's directory, or a cached hub snapshot."""
+    try:
+        resolved = resolve_model(model_name)
+    except RFKitError:
+        return None
+    if Path(resolved).is_dir():
+        return resolved
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(resolved, local_files_only=True)
+    except Exception:  # not a hub id, or not in the local hub cache: the weights stay unknown
+        return None
+
+
+def fingerprint_model(model, model_name: str) -> dict:
+    """``{"config_sha256", "weights"}`` of a loaded model (see :func:`rfkit.headmap.model_fingerprint`)."""
+    return model_fingerprint(model.config, _weights_dir(model_name))
+
+
+def reuse_head_map(model_name: str, layout: AttentionLayout, policy: FromHeadMap, fingerprint: dict) -> HeadMap:
+    """The map a :class:`FromHeadMap` policy gives: the source map's profile and provenance,
+    applied to ``model_name``, with ``source`` naming the file. Warns when the layout matches
+    but the source was made on a model with another config."""
+    selected = policy.select(layout, None)  # checks the layout
+    source = policy.head_map
+    made_on = (source.model_fingerprint or {}).get("config_sha256")
+    if made_on and made_on != fingerprint["config_sha256"]:
+        log.warning(
+            "%s: head map '%s' was made for %s, whose config (sha256 %s) differs from %s's (sha256 %s); "
+            "the layout matches, so its selection is used",
+            policy.field, policy.path, source.model, made_on[:12], model_name, fingerprint["config_sha256"][:12],
+        )  # fmt: skip
+    return dataclasses.replace(source, model=model_name, selected=selected, source=dict(policy.source))
+
+
 def build_head_map(
     model,
     model_name: str,
@@ -76,11 +118,15 @@ def build_head_map(
     reuse: bool = True,
     progress: bool = True,
 ) -> HeadMap:
-    """Profile the heads (or reuse a cached profile) and apply ``policy``."""
+    """Profile the heads (or reuse a cached profile) and apply ``policy``. A
+    :class:`FromHeadMap` policy profiles nothing (see :func:`reuse_head_map`)."""
     layout = AttentionLayout.from_config(model.config)
+    fingerprint = fingerprint_model(model, model_name)
+    if isinstance(policy, FromHeadMap):
+        return reuse_head_map(model_name, layout, policy, fingerprint)
     profile, data_info = profile_for(model, model_name, policy, datamodule, reuse, progress)
     selected = policy.select(layout, profile)
-    return HeadMap.build(model_name, layout, profile, selected, policy, data_info)
+    return HeadMap.build(model_name, layout, profile, selected, policy, data_info, fingerprint)
 
 
 def parameter_delta(model_before_counts: dict, model_after) -> tuple[int, int]:
@@ -106,8 +152,17 @@ def param_counts(model) -> dict:
     return {n: p.numel() for n, p in model.named_parameters()}
 
 
-def save_converted(model, head_map: HeadMap, out_dir: str | Path, tokenizer=None) -> Path:
-    """Save a converted model as an HF directory (safetensors + config + head map + tokenizer).
+def save_converted(
+    model,
+    head_map: HeadMap,
+    out_dir: str | Path,
+    tokenizer=None,
+    config_text: str | None = None,
+    metrics: dict | None = None,
+) -> Path:
+    """Save a converted model as an HF directory (safetensors + config + head map + tokenizer),
+    with a model card (``README.md``, see :mod:`rfkit.model_card`) and, when ``config_text`` (the
+    resolved rfkit recipe) is given, ``config.yaml``. ``metrics`` (a run summary) go into the card.
 
     LoRA adapters, if any, are merged into the model in place first.
     Written into a temporary sibling directory and renamed into place, so a crash never
@@ -119,9 +174,15 @@ def save_converted(model, head_map: HeadMap, out_dir: str | Path, tokenizer=None
     merged = merge_lora(model)  # LoRA adapters folded into their base weights: no peft needed to load
     if merged:
         log.info("merged %d LoRA adapters before saving", merged)
+    from rfkit.model_card import model_card
+
+    card = model_card(head_map, config_text, metrics, getattr(model.config, "rf_operator", None))
     with atomic_directory(out_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         head_map.save(tmp / "head_map.json")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        atomic_write_text(tmp / "README.md", card)  # after the tokenizer, which may write its own
+        if config_text is not None:
+            atomic_write_text(tmp / "config.yaml", config_text)
     return Path(out_dir)
