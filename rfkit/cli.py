@@ -9,10 +9,12 @@
     rfkit eval     hashhop|passkey|ppl|mqar|lm-eval   the paper's and the reviewers' evaluations
     rfkit data     hashhop --n N --out FILE.jsonl     write evaluation / fine-tuning samples
     rfkit sweep    --config R.yaml --betas 0,0.5,1    profile once, then quality vs cache per beta
+    rfkit recipes  list | show NAME | cp NAME DEST    the recipes packaged with rfkit (rfkit.catalog)
 
 Recipes are LightningCLI YAML files; every Lightning override (``--trainer.max_steps 10``)
-works. Bad input gets one line on stderr naming the field, and exit code 2, before any model
-loads.
+works. ``--config`` (of fit, validate, test, profile, convert and sweep) takes a file or a
+catalogue name: ``rfkit fit --config smollm2_b05``. Bad input gets one line on stderr naming
+the field, and exit code 2, before any model loads.
 """
 
 from __future__ import annotations
@@ -88,16 +90,21 @@ class RFTrainer(Trainer):
         """Profile the heads on calibration data, select with the policy, write the head map.
 
         Args:
-            output: Where to write head_map.json.
+            output: Where to write head_map.json (the resolved config goes beside it, as config.yaml).
             report: Also write the head pictures beside it: RA-I heatmap, mean attention maps
                 of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
         """
         from rfkit.convert import build_head_map, load_base_model
+        from rfkit.headmap import atomic_write_text
 
         base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code)
         head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
         head_map.save(output)
         print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
+        config_text = getattr(self, "rf_config_text", None)
+        if config_text is not None:  # the resolved recipe beside the map
+            atomic_write_text(Path(output).parent / "config.yaml", config_text)
+            print(f"resolved config -> {Path(output).parent / 'config.yaml'}")
         if report and datamodule is not None:
             from rfkit.head_report import write_head_report
 
@@ -110,13 +117,18 @@ class RFTrainer(Trainer):
         save the converted model in HF format.
 
         Args:
-            output: Directory for the converted model (written atomically).
+            output: Directory for the converted model (written atomically), with its model card
+                (README.md) and the resolved config (config.yaml).
         """
         from rfkit.convert import save_converted
 
         model.prepare(datamodule, callbacks=self.callbacks)
         tokenizer = getattr(datamodule, "tokenizer", None)
-        out = save_converted(model.model, model.head_map, output, tokenizer)
+        # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
+        # hooks filled in); the end-to-end numbers come with rfkit fit
+        out = save_converted(
+            model.model, model.head_map, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics)
+        )
         print(f"converted model ({model.head_map.replaced_heads} of {model.head_map.total_heads} heads replaced) -> {out}")
         return out
 
@@ -144,6 +156,24 @@ class RFKitCLI(LightningCLI):
         # so recipes keep writing `data: {source: ..., seq_len: ...}`
         parser.set_defaults({"data": lazy_instance(TextDataModule)})
         parser.link_arguments("model.base_model", "data.init_args.tokenizer")
+
+    def after_instantiate_classes(self) -> None:
+        """Hand the trainer the resolved config as YAML (``trainer.rf_config_text``), dumped as
+        LightningCLI's SaveConfigCallback saves ``config.yaml`` for fit/validate/test; ``rfkit
+        profile`` and ``rfkit convert`` write it beside their outputs, the run summary into the
+        model card."""
+        import inspect
+
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        parser = self._parser(self.subcommand)
+        # keep null values (reproducible); jsonargparse >= 4.49 calls skip_none skip_unset
+        keep_nulls = {"skip_unset" if "skip_unset" in inspect.signature(parser.dump).parameters else "skip_none": False}
+        try:
+            text = parser.dump(config, **keep_nulls)
+        except Exception as err:  # never fail a run over its record; say so
+            log.warning("could not dump the resolved config: %s", one_line(err))
+            text = None
+        self.trainer.rf_config_text = text
 
 
 def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
@@ -176,15 +206,19 @@ def load_plugins() -> None:
             raise RFKitError(f"plugin '{ep.name}' from package '{dist}' failed to import: {one_line(err)}") from None
 
 
-def _check_config_files(args: list[str]) -> None:
+def _check_config_files(args: list[str]) -> list[str]:
+    """``args`` with every ``--config VALUE`` / ``--config=VALUE`` / ``-c VALUE`` resolved by
+    :func:`rfkit.catalog.resolve_config`: a file stays as given, a catalogue name
+    (``smollm2_b05``) becomes the packaged recipe's path, anything else is a one-line error."""
+    from rfkit.catalog import resolve_config
+
+    resolved = list(args)
     for i, arg in enumerate(args):
-        value = None
         if arg in ("--config", "-c") and i + 1 < len(args):
-            value = args[i + 1]
+            resolved[i + 1] = resolve_config(args[i + 1], flag=arg)
         elif arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-        if value is not None and not Path(value).exists():
-            raise RFKitError(f"--config: file '{value}' does not exist")
+            resolved[i] = "--config=" + resolve_config(arg.split("=", 1)[1])
+    return resolved
 
 
 def main(args: list[str] | None = None) -> None:
@@ -204,10 +238,19 @@ def main(args: list[str] | None = None) -> None:
 
         load_plugins()
         raise SystemExit(sweep_main(argv[1:]))
+    if argv[:1] == ["recipes"]:
+        from rfkit.catalog import main as recipes_main
+
+        raise SystemExit(recipes_main(argv[1:]))
     try:
-        _check_config_files(argv)
+        argv = _check_config_files(argv)  # --config smollm2_b05 -> the packaged recipe's path
         load_plugins()
-        make_cli(args, save_config_kwargs={"overwrite": True})
+        import warnings
+
+        with warnings.catch_warnings():
+            # the rewritten argv is passed explicitly; Lightning would warn that sys.argv is set too
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            make_cli(argv, save_config_kwargs={"overwrite": True})
     except ValueError as err:
         found = user_error(err)
         if found is None:

@@ -1,0 +1,164 @@
+"""The recipe catalogue: ``rfkit recipes list|show|cp`` and ``--config NAME``."""
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rfkit import catalog
+from rfkit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_FILES = sorted((ROOT / "recipes").glob("*.yaml"))
+NAMES = [p.stem for p in RECIPE_FILES]
+
+
+def run_cli(args, capsys):
+    """Run ``rfkit`` in process; returns (exit code, stdout, stderr)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_catalogue_is_the_packaged_recipes_directory():
+    assert catalog.recipe_names() == NAMES and "smollm2_b05" in NAMES
+    packaged = sorted(p.name for p in resources.files("rfkit.recipes").iterdir() if p.name.endswith(".yaml"))
+    assert packaged == [p.name for p in RECIPE_FILES]  # what a wheel install would see
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_every_recipe_says_what_it_reproduces_in_its_header(path):
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    found = [line for line in header if line.startswith("# Reproduces: ")]
+    assert len(found) == 1 and len(found[0]) > len("# Reproduces: ") + 10
+    assert catalog.describe(path.stem)["reproduces"] == found[0][len("# Reproduces: ") :]
+
+
+def test_describe_reads_model_policy_and_operator_from_the_yaml():
+    info = catalog.describe("smollm2_b05.yaml")
+    assert info["name"] == "smollm2_b05" and info["kind"] == "fit"
+    assert info["base_model"] == "embedded:smollm2-135m-instruct" and info["beta"] == 0.5
+    assert info["policy"] == "RecencyRatioPolicy" and info["operator"] == "MambaOperator"
+    assert catalog.describe("llama2_b09")["base_model"] == "meta-llama/Llama-2-7b-hf"
+    mqar = catalog.describe("mqar_smoke")
+    assert mqar["kind"] == "eval mqar" and mqar["beta"] is None and mqar["betas"] == [0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_list_shows_every_recipe_with_base_model_beta_and_operator(capsys):
+    code, out, err = run_cli(["recipes", "list"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["name", "kind", "base", "model", "beta", "operator", "reproduces"]
+    column = lines[0].index("reproduces")
+    for path in RECIPE_FILES:
+        config = yaml.safe_load(path.read_text())
+        row = next(line for line in lines if line.split()[:1] == [path.stem])
+        if path.stem.startswith("mqar_"):
+            assert "eval mqar" in row and "0,0.25,0.5,0.75,1" in row and "MambaOperator" in row
+        else:
+            model = config["model"]
+            beta = f"{model['policy']['init_args']['beta']:g}"
+            operator = model.get("operator", {}).get("class_path", "MambaOperator").rsplit(".", 1)[-1]
+            assert row.split()[1:5] == ["fit", model["base_model"], beta, operator], row
+        assert row[column:] == catalog.describe(path.stem)["reproduces"]  # aligned under the header
+
+
+def test_show_prints_the_recipe_file(capsys):
+    code, out, err = run_cli(["recipes", "show", "smollm2_b05"], capsys)
+    assert code == 0 and err == ""
+    assert out == (ROOT / "recipes" / "smollm2_b05.yaml").read_text()
+
+
+def test_cp_writes_an_identical_file_and_refuses_to_overwrite(tmp_path, capsys):
+    source = (ROOT / "recipes" / "qwen2_05b_b05.yaml").read_text()
+    dest = tmp_path / "mine.yaml"
+    code, out, err = run_cli(["recipes", "cp", "qwen2_05b_b05", str(dest)], capsys)
+    assert code == 0, err
+    assert dest.read_text() == source and str(dest) in out
+
+    dest.write_text("edited: true\n")
+    code, out, err = run_cli(["recipes", "cp", "qwen2_05b_b05", str(dest)], capsys)
+    assert code == 2 and dest.read_text() == "edited: true\n"
+    assert err == f"rfkit recipes: error: DEST: '{dest}' already exists; add --force to overwrite it\n"
+
+    code, out, err = run_cli(["recipes", "cp", "qwen2_05b_b05.yaml", str(dest), "--force"], capsys)
+    assert code == 0 and dest.read_text() == source
+
+    code, out, err = run_cli(["recipes", "cp", "smollm2_b05", str(tmp_path)], capsys)  # a directory
+    assert code == 0 and (tmp_path / "smollm2_b05.yaml").read_text() == (ROOT / "recipes" / "smollm2_b05.yaml").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_resolve_config_takes_a_file_or_a_catalogue_name(tmp_path, monkeypatch):
+    recipe = str(ROOT / "recipes" / "smollm2_b05.yaml")
+    assert catalog.resolve_config("smollm2_b05") == recipe
+    assert catalog.resolve_config("smollm2_b05.yaml") == recipe
+    assert catalog.resolve_config(recipe) == recipe
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2_b05.yaml").write_text("# my own copy\n")
+    assert catalog.resolve_config("smollm2_b05.yaml") == "smollm2_b05.yaml"  # an existing file wins
+
+
+def test_fit_config_by_name_finds_the_packaged_recipe(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: the name alone must find it
+    code, out, err = run_cli(["fit", "--config", "smollm2_b05", "--model.policy.init_args.beta", "2"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("rfkit: error: model.policy.beta")  # parsed the recipe
+
+
+def test_an_unknown_name_suggests_the_nearest(capsys):
+    expected = (
+        "--config: 'smollm_b05' is neither a file nor a catalogue recipe; "
+        "nearest: smollm2_b05, smollm2_hashhop_b05 (rfkit recipes list)"
+    )
+    with pytest.raises(catalog.CatalogError) as raised:
+        catalog.resolve_config("smollm_b05")
+    assert str(raised.value) == expected
+
+    code, out, err = run_cli(["fit", "--config=smollm_b05"], capsys)
+    assert code == 2 and err == f"rfkit: error: {expected}\n"
+
+    code, out, err = run_cli(["recipes", "show", "smollm_b05"], capsys)
+    assert code == 2 and out == ""
+    assert err == (
+        "rfkit recipes: error: NAME: 'smollm_b05' is not a catalogue recipe; "
+        "nearest: smollm2_b05, smollm2_hashhop_b05 (rfkit recipes list)\n"
+    )
+
+
+def test_sweep_takes_a_recipe_name_and_names_the_nearest(capsys):
+    code, out, err = run_cli(["sweep", "--config", "smollm_b05"], capsys)
+    assert code == 2 and err.startswith("rfkit sweep: error: --config: 'smollm_b05'") and "nearest: smollm2_b05" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "give a command: list | show NAME | cp NAME DEST [--force]"),
+        (["copy"], "command: 'copy' is not one of list, show, cp"),
+        (["show"], "show: needs NAME, like: rfkit recipes show smollm2_b05"),
+        (["cp", "smollm2_b05"], "cp: needs NAME and DEST, like: rfkit recipes cp smollm2_b05 my_recipe.yaml"),
+    ],
+)
+def test_bad_recipes_arguments_get_one_line_and_exit_2(args, message, capsys):
+    code, out, err = run_cli(["recipes", *args], capsys)
+    assert code == 2 and err == f"rfkit recipes: error: {message}\n"
+
+
+def test_a_missing_path_says_it_does_not_exist_and_names_the_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # e.g. a wheel install: the header's `recipes/NAME.yaml` is not here
+    with pytest.raises(catalog.CatalogError) as raised:
+        catalog.resolve_config("recipes/smollm2_b05.yaml")
+    assert str(raised.value) == (
+        "--config: 'recipes/smollm2_b05.yaml' does not exist; nearest: smollm2_b05 (rfkit recipes list)"
+    )
