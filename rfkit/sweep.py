@@ -1,8 +1,19 @@
-"""``rfkit sweep``: quality against cache over beta, from one profile (paper Table 4 as a frontier).
+"""``rfkit sweep``: quality against cache over beta, operators and policies, from one profile
+(paper Table 4 as a frontier; the reviewers' comparisons at matched cache size).
 
     rfkit sweep --config recipes/smollm2_b05.yaml --betas 0,0.25,0.5,0.75,0.9,1.0
+                [--operators mamba,sliding_window(window=16),sink_recent(sink=4,window=16)]
+                [--policies recipe,random,layerwise] [--transfer]
                 [--output DIR] [--val-blocks N] [--cache-length 1024] [--fit] [--device cpu]
                 [recipe overrides such as --data.val_blocks 8 --trainer.max_steps 10]
+
+``--operators`` and ``--policies`` take comma-separated specs ``NAME`` or ``NAME(key=value, ...)``
+(:mod:`rfkit.registry`): aliases (operators ``mamba``, ``sliding_window``, ``sink_recent``;
+policies ``recency``, ``random``, ``layerwise``), class names of plugin classes, or dotted class
+paths; ``recipe`` is the recipe's own. Every policy x operator x beta is one row. Policies that
+profile take the recipe policy's window, alpha and first-token setting unless the spec sets
+them, so they share one cached profile. ``sink_recent(sink=4,window=16)`` holds exactly the
+bytes of the default Mamba block's state, which makes the two a matched-cache comparison.
 
 The recipe's base model is profiled once (or the cached profile reused); then for every beta the
 recipe's policy selects heads from that same profile, the model is converted, and the sweep
@@ -10,11 +21,14 @@ measures validation perplexity (the recipe's validation blocks) and the cache th
 model holds after ``--cache-length`` tokens, next to the original's.
 
 Without ``--fit`` the converted models are evaluated as converted (new blocks untrained): this
-shows which heads can go before any training, and costs minutes. With ``--fit`` every beta runs
-the recipe's whole ``rfkit fit`` on the sweep's head map (hours on CPU for real models).
+shows which heads can go before any training, and costs minutes. ``--transfer`` runs the
+recipe's attention transfer (``model.transfer``) on operators that have weights, so a Mamba
+block is measured after its layer-local fit rather than silent. With ``--fit`` every row runs
+the recipe's whole ``rfkit fit`` on the sweep's head map and operator (hours on CPU for real
+models).
 
-Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` (perplexity ratio against cache ratio,
-one point per beta) into the output directory.
+Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` (perplexity ratio against cache bytes per
+token, one line per policy x operator, one point per beta) into the output directory.
 """
 
 from __future__ import annotations
@@ -52,7 +66,10 @@ def build_parser() -> _Parser:
     parser.add_argument("--output", default=None, help="output directory (default runs/sweep_<recipe>)")
     parser.add_argument("--val-blocks", type=int, default=None, help="validation blocks for perplexity (default: the recipe's)")
     parser.add_argument("--cache-length", type=int, default=1024, help="tokens in the cache when it is measured")
-    parser.add_argument("--fit", action="store_true", help="run the recipe's rfkit fit for every beta (slow)")
+    parser.add_argument("--operators", default="recipe", help="comma-separated operator specs (default: the recipe's)")
+    parser.add_argument("--policies", default="recipe", help="comma-separated policy specs (default: the recipe's)")
+    parser.add_argument("--transfer", action="store_true", help="run the recipe's attention transfer on trainable operators")
+    parser.add_argument("--fit", action="store_true", help="run the recipe's rfkit fit for every row (slow)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return parser
 
@@ -89,6 +106,9 @@ def check_overrides(extra: list[str]) -> list[str]:
 def validate(args) -> None:
     """Every check that needs no model weights."""
     args.beta_list = parse_betas(args.betas)
+    from rfkit.catalog import resolve_config
+
+    args.config = resolve_config(args.config)  # a file, or a catalogue name such as smollm2_b05
     if check_model_spec(args.config, require_converted=False, flag="--config") != "recipe":
         raise SweepError(f"--config: '{args.config}' is a directory; give a recipe YAML")
     for flag, value in (("--val-blocks", args.val_blocks), ("--cache-length", args.cache_length)):
@@ -116,6 +136,31 @@ def _policy_at(policy, beta: float):
     return chosen
 
 
+def _name(obj, spec: str) -> str:
+    """A row label: the spec as given, or the class name for the recipe's own."""
+    return type(obj).__name__ if spec == "recipe" else spec.replace(" ", "")
+
+
+def variants(module, policy_specs: str, operator_specs: str) -> tuple[list, list]:
+    """``[(label, policy)]`` and ``[(label, operator)]`` from the command line's specs."""
+    from rfkit import registry
+
+    defaults = module.policy.profile_settings() or {}
+    policies, operators = [], []
+    for spec in registry.split_specs(policy_specs) or ["recipe"]:
+        policy = module.policy if spec == "recipe" else registry.policy(spec, defaults)
+        _check_policy(policy)
+        policies.append((_name(policy, spec), policy))
+    for spec in registry.split_specs(operator_specs) or ["recipe"]:
+        operator = module.operator if spec == "recipe" else registry.operator(spec)
+        operators.append((_name(operator, spec), operator))
+    for kind, items in (("--policies", policies), ("--operators", operators)):
+        labels = [label for label, _ in items]
+        if len(set(labels)) != len(labels):
+            raise SweepError(f"{kind}: the same spec is given twice ({', '.join(labels)})")
+    return policies, operators
+
+
 def measure(model, val_batches, cache_length: int, device, desc: str) -> dict:
     """Validation perplexity and the cache after ``cache_length`` tokens (plus the analytic
     per-token K/V bytes and constant state)."""
@@ -132,15 +177,18 @@ def measure(model, val_batches, cache_length: int, device, desc: str) -> dict:
         "state_bytes": predicted["state_bytes"],
         "kept_kv_fraction": predicted["kept_kv_fraction"],
         "cache_bytes": held["total"],
+        "cache_bytes_per_token": held["total"] / cache_length,
     }
 
 
-def _fit(config: str, overrides: list[str], head_map_path: Path, run_dir: Path) -> dict:
-    """Run the recipe's ``rfkit fit`` on a fixed head map; returns its summary and the model."""
+def _fit(config: str, overrides: list[str], head_map_path: Path, operator, run_dir: Path) -> dict:
+    """Run the recipe's ``rfkit fit`` on a fixed head map and operator; returns its summary and
+    the model."""
     from rfkit.cli import make_cli
 
     cli = make_cli(
         ["fit", "--config", config, *overrides, "--model.head_map", str(head_map_path),
+         "--model.operator", json.dumps(operator.to_dict()),
          "--trainer.default_root_dir", str(run_dir)],  # fmt: skip
         save_config_kwargs={"overwrite": True},
     )
@@ -157,40 +205,52 @@ def run(args) -> dict:
     from rfkit.layout import AttentionLayout
 
     module, datamodule = parse_recipe(args.config, args.overrides)
-    _check_policy(module.policy)
+    policies, operators = variants(module, args.policies, args.operators)
     device = args.torch_device
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     base = load_base_model(module.base_model, module.dtype_name, module.trust_remote_code)
-    profile, data_info = profile_for(base, module.base_model, module.policy, datamodule, module.reuse_profile)
     layout = AttentionLayout.from_config(base.config)
     datamodule.setup("fit")
+    profiles = {}
+    for label, policy in policies:
+        profiles[label] = profile_for(base, module.base_model, policy, datamodule, module.reuse_profile)
     val = datamodule.validation if args.val_blocks is None else datamodule.validation[: args.val_blocks]
     val_batches = [{"input_ids": val[i : i + datamodule.batch_size]} for i in range(0, len(val), datamodule.batch_size)]
 
     original = measure(base, val_batches, args.cache_length, device, "perplexity (original)")
+    several = len(policies) > 1 or len(operators) > 1
+    jobs = [(p, o, beta) for p in policies for o in operators for beta in args.beta_list]
     rows = []
-    for beta in tqdm(args.beta_list, desc="sweep", unit="beta", disable=None):
-        policy = _policy_at(module.policy, beta)
-        selected = policy.select(layout, profile)
-        head_map = HeadMap.build(module.base_model, layout, profile, selected, policy, data_info)
-        tag = f"beta_{beta:g}"
+    for (p_label, policy), (o_label, operator), beta in tqdm(jobs, desc="sweep", unit="row", disable=None):
+        chosen = _policy_at(policy, beta)
+        profile, data_info = profiles[p_label]
+        selected = chosen.select(layout, profile)
+        head_map = HeadMap.build(module.base_model, layout, profile, selected, chosen, data_info)
+        tag = f"beta_{beta:g}" if not several else f"{_slug(p_label)}__{_slug(o_label)}__beta_{beta:g}"
         map_path = out / tag / "head_map.json"
         head_map.save(map_path)
-        row = {"beta": beta, "replaced_heads": head_map.replaced_heads, "total_heads": head_map.total_heads}
+        row = {"policy": p_label, "operator": o_label, "beta": beta, "replaced_heads": head_map.replaced_heads,
+               "total_heads": head_map.total_heads, "transferred": False}  # fmt: skip
         t0 = time.time()
+        desc = f"perplexity ({p_label}, {o_label}, beta {beta:g})" if several else f"perplexity (beta {beta:g})"
         if head_map.replaced_heads == 0:
             row.update(original, trained=False, note="no head replaced: the original model")
         elif args.fit:
-            fitted = _fit(args.config, args.overrides, map_path, out / tag)
-            row.update(measure(fitted["model"], val_batches, args.cache_length, device, f"perplexity (beta {beta:g})"))
+            fitted = _fit(args.config, args.overrides, map_path, operator, out / tag)
+            row.update(measure(fitted["model"], val_batches, args.cache_length, device, desc))
             row.update(trained=True, summary=fitted["summary_path"])
             del fitted
         else:
-            converted = convert(copy.deepcopy(base), head_map, module.operator)
-            row.update(measure(converted, val_batches, args.cache_length, device, f"perplexity (beta {beta:g})"))
+            converted = convert(copy.deepcopy(base), head_map, operator)
+            if args.transfer and module.transfer_config is not None and getattr(operator, "trainable", True):
+                from rfkit.transfer import transfer
+
+                report = transfer(converted, datamodule.calibration, module.transfer_config)
+                row.update(transferred=True, transfer_mse=report["mean_mse_after"], transfer_seconds=report["seconds"])
+            row.update(measure(converted, val_batches, args.cache_length, device, desc))
             row["trained"] = False
             del converted
         row["ppl_ratio"] = row["ppl"] / original["ppl"]
@@ -202,8 +262,11 @@ def run(args) -> dict:
         "overrides": args.overrides,
         "base_model": module.base_model,
         "policy": module.policy.describe(),
+        "policies": {label: policy.describe() for label, policy in policies},
         "operator": type(module.operator).__name__,
+        "operators": {label: operator.to_dict() for label, operator in operators},
         "trained": bool(args.fit),
+        "transfer": bool(args.transfer),
         "cache_length": args.cache_length,
         "val_blocks": int(val.shape[0]),
         "seq_len": int(val.shape[1]),
@@ -215,21 +278,34 @@ def run(args) -> dict:
     return result
 
 
+def _slug(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label).strip("_")
+
+
+def _mode(result: dict) -> str:
+    if result["trained"]:
+        return "after `rfkit fit`"
+    if result.get("transfer"):
+        return "converted, attention transfer only (no end-to-end training)"
+    return "converted, new blocks untrained"
+
+
 def markdown(result: dict) -> str:
-    mode = "after `rfkit fit`" if result["trained"] else "converted, new blocks untrained"
     lines = [
-        f"Sweep of {result['recipe']} ({result['base_model']}, {mode}); perplexity on {result['val_blocks']} "
+        f"Sweep of {result['recipe']} ({result['base_model']}, {_mode(result)}); perplexity on {result['val_blocks']} "
         f"validation blocks of {result['seq_len']} tokens; cache after {result['cache_length']} tokens.",
         "",
-        "| beta | heads replaced | kept KV | cache bytes | cache ratio | PPL | PPL ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | operator | beta | heads replaced | kept KV | cache bytes/token | cache ratio | PPL | PPL ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     o = result["original"]
-    lines.append(f"| original | 0 | 100.0% | {o['cache_bytes']:,} | 1.000 | {o['ppl']:.2f} | 1.000 |")
+    length = result["cache_length"]
+    lines.append(f"| original | attention | 0 | 0 | 100.0% | {o['cache_bytes'] / length:,.0f} | 1.000 | {o['ppl']:.2f} | 1.000 |")
     for r in result["rows"]:
         lines.append(
-            f"| {r['beta']:g} | {r['replaced_heads']}/{r['total_heads']} | {100 * r['kept_kv_fraction']:.1f}% | "
-            f"{r['cache_bytes']:,} | {r['cache_ratio']:.3f} | {r['ppl']:.2f} | {r['ppl_ratio']:.3f} |"
+            f"| {r.get('policy', '')} | {r.get('operator', '')} | {r['beta']:g} | {r['replaced_heads']}/{r['total_heads']} | "
+            f"{100 * r['kept_kv_fraction']:.1f}% | {r['cache_bytes'] / length:,.0f} | {r['cache_ratio']:.3f} | "
+            f"{r['ppl']:.2f} | {r['ppl_ratio']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -238,20 +314,33 @@ def plot(result: dict, path: Path) -> Path:
     from rfkit.plots import pyplot, save_figure
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["cache_ratio"] for r in result["rows"]]
-    ys = [r["ppl_ratio"] for r in result["rows"]]
-    ax.plot(xs, ys, marker="o", label=result["policy"].get("class_path", "policy").rsplit(".", 1)[-1])
-    for r, x, y in zip(result["rows"], xs, ys):
-        ax.annotate(f"β={r['beta']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    length = result["cache_length"]
+    lines: dict[tuple, list] = {}
+    for r in result["rows"]:
+        lines.setdefault((r.get("policy", ""), r.get("operator", "")), []).append(r)
+    ys_all = []
+    markers = "osD^v<>ph*"
+    for k, ((policy, operator), rows) in enumerate(lines.items()):
+        rows = sorted(rows, key=lambda r: r["cache_bytes"])
+        xs = [r["cache_bytes"] / length for r in rows]
+        ys = [r["ppl_ratio"] for r in rows]
+        ys_all += ys
+        label = f"{policy} + {operator}" if len(lines) > 1 else result["policy"].get("class_path", "policy").rsplit(".", 1)[-1]
+        ax.plot(xs, ys, marker=markers[k % len(markers)], label=label)
+        if len(lines) == 1:
+            for r, x, y in zip(rows, xs, ys):
+                ax.annotate(f"β={r['beta']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    o = result["original"]
+    ax.plot([o["cache_bytes"] / length], [1.0], marker="*", color="black", ls="", label="original")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    if max(ys) / max(min(ys), 1e-9) > 20:
+    if ys_all and max(ys_all) / max(min(ys_all), 1e-9) > 20:
         ax.set_yscale("log")
-    ax.set_xlabel(f"cache ratio (converted / original, {result['cache_length']} tokens)")
+    ax.set_xlabel(f"cache bytes per token (after {length} tokens)")
     ax.set_ylabel("perplexity ratio (converted / original)")
-    ax.set_title(f"quality vs cache: {Path(result['recipe']).stem} ({'trained' if result['trained'] else 'untrained'})")
+    ax.set_title(f"quality vs cache: {Path(result['recipe']).stem} ({_mode(result).split(',')[0].split(' (')[0]})", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 

@@ -76,6 +76,12 @@ def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, 
         (["--val-blocks", "-1"], "--val-blocks"),
         (["--bogus"], "--bogus"),
         (["--model.policy", "rfkit.policies.ExplicitHeads", "--model.policy.heads", "[[0]]"], "model.policy"),
+        (["--operators", "mamba,slidng_window"], "--operators: unknown name 'slidng_window'; nearest: sliding_window"),
+        (["--operators", "sliding_window(window=0)"], "--operators"),
+        (["--operators", "sink_recent(sink=4,windw=8)"], "SinkRecentOperator takes no 'windw'"),
+        (["--policies", "random(sed=1)"], "--policies: RandomHeads takes no 'sed'"),
+        (["--policies", "explicit(heads=[[0]])"], "does not take a beta"),
+        (["--policies", "random,random"], "--policies: the same spec is given twice"),
     ],
 )
 def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
@@ -96,3 +102,39 @@ def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, ti
 def test_sweep_rejects_a_missing_recipe(tmp_path, capsys):
     code, out, err = run_cli(["sweep", "--config", str(tmp_path / "none.yaml")], capsys)
     assert code == 2 and "--config" in err and "does not exist" in err
+
+
+def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out_dir = tmp_path / "sweep"
+    args = [
+        "sweep", "--config", SMOLLM, "--betas", "0.5", "--output", str(out_dir), "--cache-length", "64",
+        "--policies", "recipe,random(seed=1),layerwise",
+        "--operators", "mamba,sink_recent(sink=4,window=16),sliding_window(window=64)",
+        "--transfer", "--model.transfer.steps", "2", "--model.transfer.samples", "4",
+    ]  # fmt: skip
+    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    assert code == 0, err
+    result = json.loads((out_dir / "sweep.json").read_text())
+    rows = {(r["policy"], r["operator"]): r for r in result["rows"]}
+    assert len(rows) == 9
+    policies = ("RecencyRatioPolicy", "random(seed=1)", "layerwise")
+    operators = ("mamba", "sink_recent(sink=4,window=16)", "sliding_window(window=64)")
+    assert sorted(rows) == sorted((p, o) for p in policies for o in operators)
+    orig = result["original"]
+    for (policy, operator), r in rows.items():
+        # the same beta replaces the same number of KV groups under every policy: matched K/V
+        assert r["replaced_heads"] == 4 and r["kept_kv_fraction"] == 0.5
+        assert r["cache_bytes"] == orig["cache_bytes"] // 2 + r["state_bytes"]
+        assert r["transferred"] == (operator == "mamba")  # window heads have no weights to fit
+    for policy in policies:
+        # sink 4 + window 16 holds the Mamba block's bytes (plus an 8-byte token counter per layer)
+        mamba, sink = rows[(policy, "mamba")], rows[(policy, "sink_recent(sink=4,window=16)")]
+        converted_layers = 1 if policy == "layerwise" else 2
+        assert sink["state_bytes"] == mamba["state_bytes"] + 8 * converted_layers
+        # a window longer than the 32-token blocks is full attention: the original perplexity
+        assert abs(rows[(policy, "sliding_window(window=64)")]["ppl_ratio"] - 1.0) < 1e-4
+    layerwise = json.loads((out_dir / "layerwise__mamba__beta_0.5" / "head_map.json").read_text())["selected"]
+    assert layerwise == [[], [0, 1, 2, 3]]  # a whole layer, layer 0 kept
+    table = (out_dir / "sweep.md").read_text()
+    assert "| layerwise | sliding_window(window=64) | 0.5 | 4/8 | 50.0% |" in table
+    assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
