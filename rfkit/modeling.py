@@ -150,18 +150,17 @@ class RecurFormerAttention(nn.Module):
         def rows(weight, heads):
             return torch.cat([weight[h * hd : (h + 1) * hd] for h in heads]) if heads else weight[:0]
 
-        if self.q_proj is not None:
-            self.q_proj.weight.copy_(rows(attn.q_proj.weight, self.kept_heads))
-            self.k_proj.weight.copy_(rows(attn.k_proj.weight, self.kept_kv_heads))
-            if self.q_proj.bias is not None:
-                self.q_proj.bias.copy_(rows(attn.q_proj.bias, self.kept_heads))
-                self.k_proj.bias.copy_(rows(attn.k_proj.bias, self.kept_kv_heads))
-        if self.mq_proj is not None:
-            self.mq_proj.weight.copy_(rows(attn.q_proj.weight, self.replaced_heads))
-            self.mk_proj.weight.copy_(rows(attn.k_proj.weight, self.mixer_kv_heads))
-            if self.mq_proj.bias is not None:
-                self.mq_proj.bias.copy_(rows(attn.q_proj.bias, self.replaced_heads))
-                self.mk_proj.bias.copy_(rows(attn.k_proj.bias, self.mixer_kv_heads))
+        # kept heads' Q/K, and (window operators) the replaced heads' own Q/K
+        for q_proj, k_proj, heads, kv_heads in (
+            (self.q_proj, self.k_proj, self.kept_heads, self.kept_kv_heads),
+            (self.mq_proj, self.mk_proj, self.replaced_heads, self.mixer_kv_heads),
+        ):
+            if q_proj is None:
+                continue
+            for mine, theirs, picked in ((q_proj, attn.q_proj, heads), (k_proj, attn.k_proj, kv_heads)):
+                mine.weight.copy_(rows(theirs.weight, picked))
+                if mine.bias is not None:
+                    mine.bias.copy_(rows(theirs.bias, picked))
         self.v_proj.load_state_dict(attn.v_proj.state_dict())
         order = self.kept_heads + self.replaced_heads
         self.o_proj.weight.copy_(torch.cat([attn.o_proj.weight[:, h * hd : (h + 1) * hd] for h in order], dim=1))

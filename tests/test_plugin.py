@@ -328,6 +328,13 @@ def test_entropy_policy_ranks_units_by_entropy(mixer_checks):
     assert "\n" not in mixer_checks["no_entropy"]
 
 
+def test_the_readme_shows_this_policy_in_under_30_lines():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Write your own policy", 1)[1].split("\n## ", 1)[0]
+    assert README_POLICY.strip() in section
+    assert len(README_POLICY.strip().splitlines()) < 30
+
+
 def test_readme_example_policy_selects_from_the_profile(mixer_checks):
     selected, beta, settings = mixer_checks["readme"]
     assert selected == [[], [0, 2]]  # layer 0 kept; RR >= 0.8 in layer 1

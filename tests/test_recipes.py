@@ -7,22 +7,11 @@ import pytest
 import yaml
 
 from rfkit import catalog
-from rfkit.cli import main
+from test_cli import run_cli  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_FILES = sorted((ROOT / "recipes").glob("*.yaml"))
 NAMES = [p.stem for p in RECIPE_FILES]
-
-
-def run_cli(args, capsys):
-    """Run ``rfkit`` in process; returns (exit code, stdout, stderr)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_the_catalogue_is_the_packaged_recipes_directory():

@@ -183,16 +183,16 @@ def test_recipes_name_window_operators_and_comparison_policies(tiny_model_dir, t
         "--model.operator.sink", "2", "--model.operator.window", "6",
         "--model.policy", "rfkit.policies.LayerwisePolicy", "--model.policy.beta", "0.5",
     ]  # fmt: skip
+    # training-free operator + freeze: pretrained leaves nothing to train: one clear line, before loading
+    code, out, err = run_cli(["fit", *args], capsys)
+    assert code == 2
+    assert "Loading weights" not in err
+    assert err.strip().splitlines()[-1] == (
+        "rfkit: error: model.freeze: SinkRecentOperator has no weights to train, so freeze 'pretrained' "
+        "leaves nothing; use rfkit convert (training-free), or freeze: none (or lora with a lora section) to fine-tune"
+    )
     code, out, err = run_cli(["convert", *args, "--output", str(tmp_path / "conv")], capsys)
     assert code == 0, err
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "conv"))
     assert loaded.config.rf_selected == [[], [0, 1, 2, 3]]
     assert loaded.config.rf_operator["init_args"] == {"sink": 2, "window": 6}
-    # training-free operator + freeze: pretrained leaves nothing to train: one clear line, before loading
-    code, out, err = run_cli(["fit", *args], capsys)
-    assert code == 2
-    assert "Loading weights" not in err.split("Seed set")[-1]  # (the bar before it is the reload above)
-    assert err.strip().splitlines()[-1] == (
-        "rfkit: error: model.freeze: SinkRecentOperator has no weights to train, so freeze 'pretrained' "
-        "leaves nothing; use rfkit convert (training-free), or freeze: none (or lora with a lora section) to fine-tune"
-    )
