@@ -311,36 +311,43 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
+    """Perplexity ratio against cache bytes per token: one line per policy x operator (colour:
+    operator, marker and dash: policy), one point per beta."""
     from rfkit.plots import pyplot, save_figure
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     length = result["cache_length"]
     lines: dict[tuple, list] = {}
     for r in result["rows"]:
         lines.setdefault((r.get("policy", ""), r.get("operator", "")), []).append(r)
+    policies = list(dict.fromkeys(p for p, _ in lines))
+    operators = list(dict.fromkeys(o for _, o in lines))
+    colours = plt.get_cmap("tab10")
+    markers, dashes = "osD^v<>ph*", ["-", "--", ":", "-."]
     ys_all = []
-    markers = "osD^v<>ph*"
-    for k, ((policy, operator), rows) in enumerate(lines.items()):
+    for (policy, operator), rows in lines.items():
         rows = sorted(rows, key=lambda r: r["cache_bytes"])
         xs = [r["cache_bytes"] / length for r in rows]
         ys = [r["ppl_ratio"] for r in rows]
         ys_all += ys
+        p, o = policies.index(policy), operators.index(operator)
         label = f"{policy} + {operator}" if len(lines) > 1 else result["policy"].get("class_path", "policy").rsplit(".", 1)[-1]
-        ax.plot(xs, ys, marker=markers[k % len(markers)], label=label)
+        ax.plot(xs, ys, color=colours(o % 10), marker=markers[p % len(markers)], ls=dashes[p % len(dashes)], label=label)
         if len(lines) == 1:
             for r, x, y in zip(rows, xs, ys):
                 ax.annotate(f"β={r['beta']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     o = result["original"]
-    ax.plot([o["cache_bytes"] / length], [1.0], marker="*", color="black", ls="", label="original")
+    ax.plot([o["cache_bytes"] / length], [1.0], marker="*", ms=10, color="black", ls="", label="original")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    if ys_all and max(ys_all) / max(min(ys_all), 1e-9) > 20:
+    if ys_all and max(ys_all) / max(min(ys_all), 1e-9) > 3:
         ax.set_yscale("log")
     ax.set_xlabel(f"cache bytes per token (after {length} tokens)")
     ax.set_ylabel("perplexity ratio (converted / original)")
-    ax.set_title(f"quality vs cache: {Path(result['recipe']).stem} ({_mode(result).split(',')[0].split(' (')[0]})", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    mode = "trained" if result["trained"] else "attention transfer only" if result.get("transfer") else "untrained"
+    ax.set_title(f"quality vs cache: {Path(result['recipe']).stem} ({mode})", fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=6.5, ncol=2 if len(lines) > 6 else 1)
     return save_figure(fig, path)
 
 
