@@ -488,8 +488,11 @@ def validate(args) -> None:
             raise BenchError(f"--runs: must be a positive integer, got {args.runs}")
         if args.decode_tokens < 2:
             raise BenchError(f"--decode-tokens: must be at least 2, got {args.decode_tokens}")
+    from rfkit.catalog import resolve_model_spec
+
     args.torch_device = torch_device(args.device)
     check_output_file(args.json_out)
+    args.model = resolve_model_spec(args.model)  # a catalogue name (smollm2_b05) is its recipe
     check_model_spec(args.model)
 
 

@@ -101,6 +101,16 @@ def resolve_config(value: str, flag: str = "--config") -> str:
     raise _unknown(value, flag, "is neither a file nor a catalogue recipe" if bare_name else "does not exist")
 
 
+def resolve_model_spec(value: str) -> str:
+    """A ``--model`` value of ``rfkit bench`` / ``rfkit eval``: a catalogue name (a bare name that
+    is no existing file or directory) becomes the packaged recipe's path; anything else is
+    returned as given, for the command's own checks."""
+    value = str(value)
+    if Path(value).expanduser().exists() or "/" in value or "\\" in value:
+        return value
+    return str(recipe_path(value)) if _bare(value) in recipe_names() else value
+
+
 def _short(class_path: str | None, default: str) -> str:
     return str(class_path).rsplit(".", 1)[-1] if class_path else default
 
@@ -251,8 +261,8 @@ def main(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "list":
             print(table([describe(name) for name in recipe_names()]))
-            print("\nfit:        rfkit fit --config NAME   (also validate, test, profile, convert, sweep)")
-            print("eval mqar:  rfkit recipes cp NAME . && rfkit eval mqar --config NAME.yaml")
+            print("\nfit:        rfkit fit --config NAME   (also validate, test, profile, convert, sweep; --model of bench and eval)")
+            print("eval mqar:  rfkit eval mqar --config NAME")
         elif args.command == "show":
             text = recipe_path(args.name).read_text()
             sys.stdout.write(text if text.endswith("\n") else text + "\n")

@@ -151,3 +151,26 @@ def test_a_missing_path_says_it_does_not_exist_and_names_the_recipe(tmp_path, mo
     assert str(raised.value) == (
         "--config: 'recipes/smollm2_b05.yaml' does not exist; nearest: smollm2_b05 (rfkit recipes list)"
     )
+
+
+def test_eval_and_bench_take_a_catalogue_name_for_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here
+    assert catalog.resolve_model_spec("smollm2_b05") == str(catalog.recipe_path("smollm2_b05"))
+    assert catalog.resolve_model_spec("no_such_thing") == "no_such_thing"  # left to the command's own check
+    (tmp_path / "smollm2_b05").mkdir()  # an existing directory of that name wins
+    assert catalog.resolve_model_spec("smollm2_b05") == "smollm2_b05"
+    monkeypatch.chdir(ROOT)
+    # SmolLM2's context is 8,192 tokens: the recipe's model config was read, so the name resolved
+    code, out, err = run_cli(["eval", "passkey", "--model", "smollm2_b05", "--lengths", "99999"], capsys)
+    assert code == 2 and "99999" in err.strip().splitlines()[-1] and "8192" in err, err
+    code, out, err = run_cli(["bench", "cache", "--model", "smollm2_b5", "--lengths", "64"], capsys)
+    assert code == 2 and "'smollm2_b5' does not exist" in err
+
+
+def test_eval_mqar_takes_a_catalogue_name(capsys):
+    from rfkit.evals.mqar import parse_config
+
+    cfg = parse_config(["--config", "mqar_smoke"])
+    assert cfg.betas == [0, 0.25, 0.5, 0.75, 1]
+    with pytest.raises(catalog.CatalogError, match="nearest: mqar_smoke"):
+        parse_config(["--config", "mqar_smok"])

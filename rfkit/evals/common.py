@@ -36,8 +36,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) 
 def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
     """The model checks that need no weights: spec, device, output file and (when given) that
     every length fits the model's context. Sets ``args.torch_device``."""
+    from rfkit.catalog import resolve_model_spec
+
     args.torch_device = torch_device(args.device)
     check_output_file(args.json_out)
+    args.model = resolve_model_spec(args.model)  # a catalogue name (smollm2_b05) is its recipe
     check_model_spec(args.model, require_converted=False)
     if lengths:
         check_lengths_fit(lengths, model_config(args.model), flag, extra=extra_tokens)

@@ -316,9 +316,13 @@ class MQARConfig:
 def parse_config(argv: list[str]) -> MQARConfig:
     """Parse ``argv`` (``--config FILE`` plus dotted overrides) and validate; :class:`MQARError` on bad input."""
     if "--config" in argv:
+        from rfkit.catalog import resolve_config
+
+        argv = list(argv)
         i = argv.index("--config")
         if i + 1 < len(argv) and not Path(argv[i + 1]).exists():
-            raise MQARError(f"--config: file '{argv[i + 1]}' does not exist")
+            # a catalogue name (mqar_smoke) is its packaged recipe; anything else names the nearest
+            argv[i + 1] = resolve_config(argv[i + 1])
     parser = _parser()
     ns = parser.parse_args(argv)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
