@@ -7,7 +7,8 @@ Schema (``head_map.json``):
   (one list per layer of replaced query-head indices);
 - profile (empty / null when the policy needed none): ``window``, ``alpha``,
   ``exclude_first_token``, ``seq_len``, ``samples``, ``rai`` (layers x query heads, ints),
-  ``rr_mean`` (layers x query heads, floats);
+  ``rr_mean`` (layers x query heads, floats), ``entropy_mean`` (layers x query heads, mean
+  normalised attention entropy in [0, 1]; empty in maps written before it was profiled);
 - provenance: ``policy`` (the policy's settings), ``data`` (the calibration data), ``rfkit_version``,
   ``created`` (UTC ISO time), ``model_fingerprint`` (of the model the map was made on:
   ``config_sha256``, the sha256 of its config's canonical JSON without volatile keys, and
@@ -149,6 +150,7 @@ class HeadMap:
     model_fingerprint: dict | None = None
     created: str | None = None
     source: dict | None = None
+    entropy_mean: list[list[float]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -176,6 +178,7 @@ class HeadMap:
             samples=profile.samples if profile else 0,
             rai=profile.rai if profile else [],
             rr_mean=profile.rr_mean if profile else [],
+            entropy_mean=list(getattr(profile, "entropy_mean", []) or []) if profile else [],
             selected=[list(s) for s in selected],
             policy=policy.describe(),
             data=data,

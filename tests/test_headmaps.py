@@ -263,6 +263,8 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
     assert code == 0, err
     source = HeadMap.load(made / "head_map.json")
     assert source.model_fingerprint["weights"] and source.created and source.source is None
+    entropy = [e for layer in source.entropy_mean for e in layer]  # the profile's entropy travels with the map
+    assert len(source.entropy_mean) == 2 and len(entropy) == 8 and all(0.0 <= e <= 1.0 for e in entropy)
     config = (made / "config.yaml").read_text()  # the resolved recipe beside the map
     assert "RecencyRatioPolicy" in config and "window: 4" in config and str(tiny_corpus) in config
 
@@ -279,6 +281,7 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
         assert code == 0, err
         used = HeadMap.load(out_dir / "head_map.json")
         assert used.selected == source.selected and used.rai == source.rai and used.rr_mean == source.rr_mean
+        assert used.entropy_mean == source.entropy_mean
         assert (used.policy, used.data, used.model_fingerprint) == (source.policy, source.data, source.model_fingerprint)
         assert used.source == {"path": str((made / "head_map.json").resolve()), "sha256": sha, "model": str(tiny_model_dir)}
         converted = AutoModelForCausalLM.from_pretrained(str(out_dir))
