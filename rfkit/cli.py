@@ -206,7 +206,7 @@ def load_plugins() -> None:
             raise RFKitError(f"plugin '{ep.name}' from package '{dist}' failed to import: {one_line(err)}") from None
 
 
-def _check_config_files(args: list[str]) -> list[str]:
+def _resolve_config_args(args: list[str]) -> list[str]:
     """``args`` with every ``--config VALUE`` / ``--config=VALUE`` / ``-c VALUE`` resolved by
     :func:`rfkit.catalog.resolve_config`: a file stays as given, a catalogue name
     (``smollm2_b05``) becomes the packaged recipe's path, anything else is a one-line error."""
@@ -243,7 +243,7 @@ def main(args: list[str] | None = None) -> None:
 
         raise SystemExit(recipes_main(argv[1:]))
     try:
-        argv = _check_config_files(argv)  # --config smollm2_b05 -> the packaged recipe's path
+        argv = _resolve_config_args(argv)  # --config smollm2_b05 -> the packaged recipe's path
         load_plugins()
         import warnings
 

@@ -221,9 +221,6 @@ class HeadMap:
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_json(path, asdict(self))
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1) + "\n"
-
     @classmethod
     def from_dict(cls, raw, where: str = "head map") -> "HeadMap":
         """Check ``raw`` (parsed JSON) and build the map; one-line :class:`HeadMapError` prefixed

@@ -103,8 +103,7 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
             raise PolicyError(f"model.policy.window: {window!r} is not allowed; window must be an integer >= 1")
         if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
             raise PolicyError(f"model.policy.alpha: {alpha!r} is not allowed; alpha must lie in [0, 1]")
-        if granularity not in ("kv_group", "query_head"):
-            raise PolicyError(f"model.policy.granularity: {granularity!r} is not allowed; allowed: kv_group, query_head")
+        _check_granularity(granularity)
         if scope not in ("global", "per_layer"):
             raise PolicyError(f"model.policy.scope: {scope!r} is not allowed; allowed: global, per_layer")
         self.window, self.alpha = window, float(alpha)

@@ -214,9 +214,12 @@ def run(args) -> dict:
     base = load_base_model(module.base_model, module.dtype_name, module.trust_remote_code)
     layout = AttentionLayout.from_config(base.config)
     datamodule.setup("fit")
-    profiles = {}
+    profiles, by_settings = {}, {}  # one profile per distinct setting, even with reuse_profile: false
     for label, policy in policies:
-        profiles[label] = profile_for(base, module.base_model, policy, datamodule, module.reuse_profile)
+        key = json.dumps(policy.profile_settings(), sort_keys=True)
+        if key not in by_settings:
+            by_settings[key] = profile_for(base, module.base_model, policy, datamodule, module.reuse_profile)
+        profiles[label] = by_settings[key]
     val = datamodule.validation if args.val_blocks is None else datamodule.validation[: args.val_blocks]
     val_batches = [{"input_ids": val[i : i + datamodule.batch_size]} for i in range(0, len(val), datamodule.batch_size)]
 
