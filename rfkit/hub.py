@@ -9,8 +9,10 @@ HF directory (safetensors) under the user cache dir; later runs load that in sec
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from rfkit.atomic import atomic_directory
@@ -84,17 +86,23 @@ def _materialise_embedded_model(target: Path) -> None:
         tok.save_pretrained(str(tmp))
 
 
+def embedded_model_dir() -> Path:
+    """Where the embedded model's dequantised copy lives (it may not exist yet)."""
+    return cache_dir() / "models" / EMBEDDED_MODEL.split(":", 1)[1]
+
+
 def resolve_model(name_or_path: str) -> str:
     """Return something ``from_pretrained`` accepts: a local directory or a hub id.
 
     ``embedded:smollm2-135m-instruct`` resolves to the cached dequantised copy, which is
-    created on first use. Local paths must exist. Anything else is passed through as a hub id.
+    created on first use. Local paths must exist. Anything else is a hub id: offline
+    (``HF_HUB_OFFLINE=1``) it must be complete in the Hugging Face cache (:func:`check_hub_model`).
     """
     name = str(name_or_path)
     if is_embedded(name):
         if name != EMBEDDED_MODEL:
             raise SourceError(f"model.base_model: unknown embedded model '{name}'; allowed: {EMBEDDED_MODEL}")
-        target = cache_dir() / "models" / EMBEDDED_MODEL.split(":", 1)[1]
+        target = embedded_model_dir()
         if not (target / "config.json").exists():
             _materialise_embedded_model(target)
         return str(target)
@@ -102,9 +110,225 @@ def resolve_model(name_or_path: str) -> str:
         if not Path(name).expanduser().exists():
             raise SourceError(f"model.base_model: path '{name}' does not exist")
         return str(Path(name).expanduser())
+    check_hub_model(name)
     return name
 
 
 def looks_like_path(name: str) -> bool:
     """A local path rather than a hub id (``org/name``)."""
     return name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") > 1
+
+
+# --------------------------------------------------------------------------------------------
+# what is on disk already: the Hugging Face cache, configs and tokenizers read without loading
+# --------------------------------------------------------------------------------------------
+
+_TRUE = {"1", "on", "yes", "true"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set, now or when huggingface_hub loaded."""
+    if any(os.environ.get(var, "").strip().lower() in _TRUE for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except ImportError:
+        return False
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache as huggingface_hub computes it, from the environment now:
+    ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.path.expanduser(os.environ[var])))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
+    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+
+
+def hub_repo_dir(repo_id: str) -> Path:
+    """The cache folder of a model repo: ``<hub cache>/models--org--name``."""
+    return hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+
+
+def hub_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The cached snapshot directory of ``repo_id`` at ``revision`` (via ``refs/``), if any."""
+    repo = hub_repo_dir(repo_id)
+    ref = repo / "refs" / revision
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def missing_weights(directory: Path) -> list[str]:
+    """The safetensors files a model directory should hold and does not (all shards listed in
+    ``model.safetensors.index.json``; else one ``*.safetensors``). A symlink to a blob that was
+    never completed counts as missing."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            return [index.name]
+        return sorted(s for s in shards if not (directory / s).exists())
+    if any(p.exists() for p in directory.glob("*.safetensors")):
+        return []
+    return ["model.safetensors"]
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file, from its header alone (8 bytes of length, the
+    JSON header, then the tensors it describes): None when the file is long enough for every
+    tensor the header lists. Catches truncated copies and interrupted downloads cheaply."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            length = int.from_bytes(head, "little")
+            if 8 + length > size:
+                return f"truncated or not safetensors: its header claims {8 + length} bytes, the file has {size}"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as err:
+        return f"not a readable safetensors file ({' '.join(str(err).split())[:120]})"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    end = 0
+    for key, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) and key != "__metadata__" else None
+        if isinstance(offsets, list) and len(offsets) == 2 and isinstance(offsets[1], int):
+            end = max(end, offsets[1])
+    if 8 + length + end > size:
+        return f"truncated: {size} bytes of the {8 + length + end} its header describes"
+    return None
+
+
+def check_weight_files(directory: Path, name: str, field: str = "model.base_model") -> None:
+    """Every safetensors file of a model directory is whole (:func:`safetensors_problem`)."""
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            raise SourceError(f"{field}: the weights of '{name}' are broken: {path} is {problem}; copy or download them again")
+
+
+def check_hub_model(repo_id: str, field: str = "model.base_model") -> Path | None:
+    """Cheap checks of a hub model id against the local Hugging Face cache (no network).
+
+    Returns the cached snapshot when it holds the config and every weight file, else None.
+    Offline (``HF_HUB_OFFLINE=1``) a model that is not cached, or whose download stopped
+    half-way (huggingface_hub leaves ``blobs/<hash>.incomplete`` and no weight link in the
+    snapshot), is a one-line :class:`SourceError`; online, ``from_pretrained`` downloads or
+    resumes it.
+    """
+    if not HUB_ID.match(repo_id):
+        raise SourceError(
+            f"{field}: '{repo_id}' is neither an existing local path nor a hub model id (org/name); "
+            f"allowed: a local model directory, a hub id, or {EMBEDDED_MODEL}"
+        )
+    repo = hub_repo_dir(repo_id)
+    snapshot = hub_snapshot(repo_id)
+    has_config = snapshot is not None and (snapshot / "config.json").exists()
+    missing = missing_weights(snapshot) if has_config else ["config.json"]
+    if not missing:
+        return snapshot
+    if not hub_offline():
+        return None
+    partial = sorted((repo / "blobs").glob("*.incomplete")) if repo.is_dir() else []
+    if partial:
+        raise SourceError(
+            f"{field}: the download of '{repo_id}' is incomplete ({', '.join(missing)} not in the cache; "
+            f"partial file {partial[0]}); rerun online (without HF_HUB_OFFLINE=1) to resume it, "
+            "or delete the partial file and download again"
+        )
+    if has_config:
+        raise SourceError(
+            f"{field}: the cached copy of '{repo_id}' ({snapshot}) has no weights ({', '.join(missing)}), and "
+            "HF_HUB_OFFLINE=1 forbids downloading them; rerun online (without HF_HUB_OFFLINE=1)"
+        )
+    raise SourceError(
+        f"{field}: '{repo_id}' is not in the Hugging Face cache ({hub_cache_dir()}), and HF_HUB_OFFLINE=1 forbids "
+        "downloading it; run once online (without HF_HUB_OFFLINE=1), or give a local model directory"
+    )
+
+
+def local_model_dir(name: str) -> Path | None:
+    """The directory already holding ``name``'s files, found without downloading or
+    materialising anything: a local directory, the embedded model's cached copy, or a cached
+    hub snapshot. None when there is none (yet)."""
+    name = str(name)
+    if is_embedded(name):
+        target = embedded_model_dir()
+        return target if name == EMBEDDED_MODEL and (target / "config.json").exists() else None
+    if looks_like_path(name):
+        path = Path(name).expanduser()
+        return path if path.is_dir() else None
+    if not HUB_ID.match(name):
+        return None
+    return hub_snapshot(name)
+
+
+def read_model_config(name: str) -> tuple[dict, Path] | None:
+    """``(config.json as a dict, its path)`` of a model, read without loading any weights, or
+    None when the file is not on disk (a hub model not yet downloaded, the embedded model
+    before its first use)."""
+    directory = local_model_dir(name)
+    if directory is None:
+        return None
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return (config, path) if isinstance(config, dict) else None
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def context_length(config: dict) -> int | None:
+    """The longest input a model config says it takes (``max_position_embeddings``)."""
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section, dict) and _positive_int(section.get("max_position_embeddings")):
+            return section["max_position_embeddings"]
+    return None
+
+
+def config_vocab_size(config: dict) -> int | None:
+    """The number of token embeddings a model config declares (``vocab_size``)."""
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section, dict) and _positive_int(section.get("vocab_size")):
+            return section["vocab_size"]
+    return None
+
+
+def tokenizer_size(directory: Path) -> int | None:
+    """How many token ids the tokenizer in ``directory`` can produce (its largest id + 1), read
+    from ``tokenizer.json`` without building the tokenizer; None when there is no such file."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    vocab = model.get("vocab")
+    top = -1
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        top = max((v for v in vocab.values() if isinstance(v, int)), default=-1)
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...] in id order
+        top = len(vocab) - 1
+    for token in data.get("added_tokens") or []:
+        if isinstance(token, dict) and isinstance(token.get("id"), int):
+            top = max(top, token["id"])
+    return top + 1 if top >= 0 else None

@@ -7,6 +7,8 @@ its ``init_args`` against ``__init__``. That is the whole plugin mechanism.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from abc import ABC, abstractmethod
 from typing import Literal
@@ -14,6 +16,12 @@ from typing import Literal
 from rfkit.errors import RFKitError
 from rfkit.layout import AttentionLayout
 from rfkit.profile import HeadProfile
+
+
+log = logging.getLogger(__name__)
+
+#: what the paper found when every head goes (the opt-in error and warning quote it)
+ALL_HEADS_QUALITY = "which the RecurFormer paper reports destroys quality"
 
 
 class PolicyError(RFKitError):
@@ -28,15 +36,23 @@ class HeadSelectionPolicy(ABC):
 
     Args:
         beta: Fraction of heads to replace, in [0, 1] (the paper's ratio beta).
+        allow_all_heads: Let a recipe run beta = 1 (every attention head replaced). The paper
+            reports that this destroys quality, so ``rfkit`` refuses beta 1 without this flag
+            and warns with it (see :func:`check_all_heads`).
     """
 
     #: whether :meth:`select` needs a calibration profile (RR / RA-I statistics)
     needs_profile: bool = False
+    #: the beta = 1 opt-in (instances set it from ``allow_all_heads``)
+    allow_all_heads: bool = False
 
-    def __init__(self, beta: float = 0.5):
-        if not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
+    def __init__(self, beta: float = 0.5, allow_all_heads: bool = False):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
             raise PolicyError(f"model.policy.beta: {beta!r} is not allowed; beta must lie in [0, 1]")
+        if not isinstance(allow_all_heads, bool):
+            raise PolicyError(f"model.policy.allow_all_heads: {allow_all_heads!r} is not allowed; give true or false")
         self.beta = float(beta)
+        self.allow_all_heads = allow_all_heads
 
     def profile_settings(self) -> dict | None:
         """Settings for profiling, or None when no profile is needed."""
@@ -47,7 +63,38 @@ class HeadSelectionPolicy(ABC):
         """Implemented by every subclass."""
 
     def describe(self) -> dict:
-        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "beta": self.beta}
+        out = {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "beta": self.beta}
+        if self.allow_all_heads:
+            out["allow_all_heads"] = True
+        return out
+
+
+def takes_beta(policy: HeadSelectionPolicy) -> bool:
+    """Whether the policy's class takes a ``beta`` (a ratio policy) rather than computing it."""
+    return "beta" in inspect.signature(type(policy).__init__).parameters
+
+
+def check_all_heads(policy: HeadSelectionPolicy, field: str = "model.policy.init_args") -> bool:
+    """The beta = 1 opt-in of a recipe's ratio policy: beta 1 without ``allow_all_heads`` is a
+    one-line :class:`PolicyError` naming ``<field>.beta`` and the flag; with it, a warning.
+    Returns whether every head is replaced. Policies that compute their beta (ExplicitHeads,
+    FromHeadMap) are not checked."""
+    if not takes_beta(policy) or float(policy.beta) < 1.0:
+        return False
+    name = type(policy).__name__
+    if not getattr(policy, "allow_all_heads", False):
+        takes_flag = "allow_all_heads" in inspect.signature(type(policy).__init__).parameters
+        how = (
+            f"set {field}.allow_all_heads: true to run it anyway (a reference point, not a model)"
+            if takes_flag
+            else f"{name} does not take allow_all_heads, so give a beta below 1"
+        )
+        raise PolicyError(f"{field}.beta: 1.0 replaces every attention head, {ALL_HEADS_QUALITY}; {how}, or choose beta < 1")
+    log.warning(
+        "%s.beta = 1 with allow_all_heads: %s replaces every attention head, %s; the run goes on as asked",
+        field, name, ALL_HEADS_QUALITY,
+    )  # fmt: skip
+    return True
 
 
 def _count(beta: float, units: int) -> int:
@@ -83,6 +130,9 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
         keep_layers: Layers that keep all their heads (for example ``[0, 1]``: an error in an
             early layer reaches every later one). ``beta`` stays a fraction of all units, so
             the other layers give up more.
+        allow_all_heads: Allow beta = 1 (every head replaced) in a recipe; the paper reports
+            that this destroys quality, so it is refused without this flag and warned about
+            with it.
     """
 
     needs_profile = True
@@ -96,8 +146,9 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
         granularity: Literal["kv_group", "query_head"] = "kv_group",
         scope: Literal["global", "per_layer"] = "global",
         keep_layers: list[int] | None = None,
+        allow_all_heads: bool = False,
     ):
-        super().__init__(beta)
+        super().__init__(beta, allow_all_heads)
         self.keep_layers = _check_layers("keep_layers", keep_layers)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise PolicyError(f"model.policy.window: {window!r} is not allowed; window must be an integer >= 1")
@@ -194,6 +245,9 @@ class RandomHeads(HeadSelectionPolicy):
         seed: Seed of the draw.
         granularity: ``kv_group`` (whole KV groups, frees KV cache in GQA models) or ``query_head``.
         keep_layers: Layers that are never touched (their units are not drawn).
+        allow_all_heads: Allow beta = 1 (every head replaced) in a recipe; the paper reports
+            that this destroys quality, so it is refused without this flag and warned about
+            with it.
     """
 
     def __init__(
@@ -202,8 +256,9 @@ class RandomHeads(HeadSelectionPolicy):
         seed: int = 0,
         granularity: Literal["kv_group", "query_head"] = "kv_group",
         keep_layers: list[int] | None = None,
+        allow_all_heads: bool = False,
     ):
-        super().__init__(beta)
+        super().__init__(beta, allow_all_heads)
         self.seed = int(seed)
         self.granularity = _check_granularity(granularity)
         self.keep_layers = _check_layers("keep_layers", keep_layers)
@@ -237,6 +292,9 @@ class LayerwisePolicy(HeadSelectionPolicy):
         alpha: RR threshold for the ``recency`` profile.
         exclude_first_token: Leave token 0 out of the RR sums.
         keep_layers: Layers never replaced.
+        allow_all_heads: Allow beta = 1 (every layer replaced) in a recipe; the paper reports
+            that replacing every head destroys quality, so it is refused without this flag and
+            warned about with it.
     """
 
     def __init__(
@@ -248,13 +306,14 @@ class LayerwisePolicy(HeadSelectionPolicy):
         alpha: float = 0.5,
         exclude_first_token: bool = True,
         keep_layers: list[int] | None = None,
+        allow_all_heads: bool = False,
     ):
-        super().__init__(beta)
+        super().__init__(beta, allow_all_heads)
         if choose not in ("spread", "recency"):
             raise PolicyError(f"model.policy.choose: {choose!r} is not allowed; allowed: spread, recency")
         self.layers = _check_layers("layers", layers) if layers is not None else None
         self.choose = choose
-        self._recency = RecencyRatioPolicy(window, alpha, beta, exclude_first_token)  # validates the settings
+        self._recency = RecencyRatioPolicy(window, alpha, beta, exclude_first_token, allow_all_heads=allow_all_heads)  # validates
         self.keep_layers = _check_layers("keep_layers", keep_layers)
 
     @property

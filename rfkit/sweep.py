@@ -130,10 +130,28 @@ def _check_policy(policy) -> None:
 
 
 def _policy_at(policy, beta: float):
-    """A copy of ``policy`` that replaces fraction ``beta`` (the same profile settings)."""
+    """A copy of ``policy`` that replaces fraction ``beta`` (the same profile settings). A
+    beta 1 row is the sweep's own reference point, so it carries the ``allow_all_heads``
+    opt-in that a recipe would need (:func:`rfkit.policies.check_all_heads`)."""
     chosen = copy.copy(policy)
     chosen.beta = float(beta)
+    if chosen.beta >= 1.0:
+        chosen.allow_all_heads = True
     return chosen
+
+
+def warn_all_heads(betas: list[float]) -> bool:
+    """One warning when the sweep includes beta 1 (every head replaced), as a recipe with
+    ``allow_all_heads: true`` gets; returns whether it did."""
+    from rfkit.policies import ALL_HEADS_QUALITY
+
+    if not betas or max(betas) < 1.0:
+        return False
+    log.warning(
+        "--betas: beta 1 replaces every attention head, %s; the sweep measures it as a reference point "
+        "(allow_all_heads is set for its beta 1 rows)", ALL_HEADS_QUALITY,
+    )  # fmt: skip
+    return True
 
 
 def _name(obj, spec: str) -> str:
@@ -206,6 +224,7 @@ def run(args) -> dict:
 
     module, datamodule = parse_recipe(args.config, args.overrides)
     policies, operators = variants(module, args.policies, args.operators)
+    warn_all_heads(args.beta_list)
     device = args.torch_device
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
