@@ -21,47 +21,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
+import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from rfkit.errors import RFKitError
+from rfkit.errors import RFKitError, one_line
+from rfkit.parse_errors import PARSE_ARGS, tidy_parse_error
 
 log = logging.getLogger("rfkit")
 
 PLUGIN_GROUP = "rfkit.plugins"
-
-
-def one_line(message) -> str:
-    return " ".join(str(message).split())
-
-
-_KEY = re.compile(r'Parser key "([^"]+)"')
-_CLASS_PROBLEM = re.compile(r"Problem with given class_path '([^']+)': (.*?)(?: - Expected| Given value|$)")
-_NOT_SUBCLASS = re.compile(r"Import path (\S+) does not correspond to a subclass of (\w+)")
-
-
-def tidy_parse_error(message) -> str:
-    """jsonargparse's messages, shortened to one line that names the field and what is allowed."""
-    text = one_line(message)
-    key = _KEY.search(text)
-    field = key.group(1) if key else None
-    for pattern, fmt in (
-        (_CLASS_PROBLEM, "class '{0}' cannot be used: {1}"),
-        (_NOT_SUBCLASS, "'{0}' is not a subclass of {1}"),
-    ):
-        found = pattern.search(text)
-        if found:
-            detail = fmt.format(*found.groups())
-            return f"{field}: {detail}" if field else detail
-    if key:
-        rest = text[key.end() :].lstrip(": ")
-        return f"{field}: {rest}"
-    return text
 
 
 def user_error(err: BaseException) -> RFKitError | None:
@@ -85,6 +58,22 @@ class RFArgumentParser(LightningArgumentParser):
 
 class RFTrainer(Trainer):
     """Lightning's Trainer plus the subcommands that convert without training."""
+
+    rf_ckpt_path: str | None = None
+    rf_ckpt_meta: dict | None = None
+
+    def _run(self, model, ckpt_path=None, weights_only=None):
+        # Lightning has resolved --ckpt_path ("last" -> a file) and restores the weights after
+        # configure_model. The checkpoint's rfkit entry is read (weights_only) and checked
+        # against the recipe here, before any hook writes to the run directory; the module then
+        # rebuilds the converted architecture from it instead of profiling again.
+        self.rf_ckpt_path, self.rf_ckpt_meta = None, None
+        if ckpt_path is not None and hasattr(model, "check_checkpoint"):
+            from rfkit.checkpointing import read_meta
+
+            self.rf_ckpt_meta = model.check_checkpoint(str(ckpt_path), read_meta(ckpt_path))
+            self.rf_ckpt_path = str(ckpt_path)
+        return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
 
     def profile(self, model, datamodule=None, output: str = "head_map.json", report: bool = True):
         """Profile the heads on calibration data, select with the policy, write the head map.
@@ -148,6 +137,9 @@ class RFKitCLI(LightningCLI):
         parser.add_lightning_class_args(PerplexityMonitor, "perplexity")
         parser.add_lightning_class_args(CacheMonitor, "cache")
         parser.add_lightning_class_args(RunSummary, "summary")
+        from rfkit.checkpointing import RunCheckpoint
+
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         from jsonargparse import lazy_instance
 
         from rfkit.data import TextDataModule
@@ -156,6 +148,37 @@ class RFKitCLI(LightningCLI):
         # so recipes keep writing `data: {source: ..., seq_len: ...}`
         parser.set_defaults({"data": lazy_instance(TextDataModule)})
         parser.link_arguments("model.base_model", "data.init_args.tokenizer")
+
+    def before_instantiate_classes(self) -> None:
+        """Check the parsed settings (:func:`rfkit.preflight.preflight`) before any class is
+        built, any model loads or anything is written."""
+        from rfkit.preflight import preflight
+
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        preflight(self.subcommand, config)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
+        ``<default_root_dir>/checkpoints/last.ckpt`` unless checkpointing is off or the recipe
+        lists its own ``ModelCheckpoint``; checkpoints are written atomically and read with
+        ``weights_only=True`` (:class:`AtomicCheckpointIO`)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from rfkit.checkpointing import AtomicCheckpointIO, RunCheckpoint
+
+        listed = config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        own = any(isinstance(cb, ModelCheckpoint) for cb in listed)
+        if config.get("enable_checkpointing") is False or own:
+            callbacks = [cb for cb in callbacks if not isinstance(cb, RunCheckpoint)]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        for cb in trainer.callbacks:
+            if isinstance(cb, RunCheckpoint):
+                cb.place(trainer.default_root_dir)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # single device, DDP
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def after_instantiate_classes(self) -> None:
         """Hand the trainer the resolved config as YAML (``trainer.rf_config_text``), dumped as
@@ -192,7 +215,11 @@ def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
         auto_configure_optimizers=False,
     )
     options.update(kwargs)
-    return RFKitCLI(RecurFormerModule, TextDataModule, **options)
+    with warnings.catch_warnings():
+        # args is passed explicitly (rewritten by main, or a recipe read by bench / eval / sweep);
+        # Lightning would warn on stderr that sys.argv holds arguments too
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RFKitCLI(RecurFormerModule, TextDataModule, **options)
 
 
 def load_plugins() -> None:
@@ -242,21 +269,78 @@ def main(args: list[str] | None = None) -> None:
         from rfkit.catalog import main as recipes_main
 
         raise SystemExit(recipes_main(argv[1:]))
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from rfkit.atomic import disk_full_error, is_disk_full
+
     try:
         argv = _resolve_config_args(argv)  # --config smollm2_b05 -> the packaged recipe's path
         load_plugins()
-        import warnings
-
-        with warnings.catch_warnings():
-            # the rewritten argv is passed explicitly; Lightning would warn that sys.argv is set too
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-            make_cli(argv, save_config_kwargs={"overwrite": True})
+        PARSE_ARGS[:] = argv  # lets a parse error name the full field (tidy_parse_error)
+        _quiet_seed_message()  # bad input is one line on stderr: no "Seed set to 0" before it
+        make_cli(argv, save_config_kwargs={"overwrite": True})
     except ValueError as err:
         found = user_error(err)
         if found is None:
             raise
         sys.stderr.write(f"rfkit: error: {one_line(found)}\n")
+        raise SystemExit(getattr(found, "exit_code", 2)) from None  # 2: bad input; 1: a run that failed
+    except OSError as err:  # a full disk outside rfkit.atomic's writers (those raise DiskFullError)
+        if not is_disk_full(err):
+            raise
+        sys.stderr.write(f"rfkit: error: {one_line(disk_full_error(err.filename or 'the output'))}\n")
         raise SystemExit(2) from None
+    except MisconfigurationException as err:  # Lightning's word on a trainer setting the preflight let through
+        sys.stderr.write(f"rfkit: error: trainer: {one_line(err)}\n")
+        raise SystemExit(2) from None
+    except Exception as err:  # LightningCLI reads --ckpt_path's hyperparameters before any rfkit check
+        if not _raised_in(err, "_parse_ckpt_path"):
+            raise
+        sys.stderr.write(f"rfkit: error: {_unreadable_checkpoint(argv, err)}\n")
+        raise SystemExit(2) from None
+    finally:
+        PARSE_ARGS.clear()
+
+
+def _raised_in(err: BaseException, function: str) -> bool:
+    """Whether ``function`` is on the traceback of ``err``."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _unreadable_checkpoint(argv: list[str], err: BaseException) -> str:
+    """The one line for a ``--ckpt_path`` that ``torch.load`` cannot read."""
+    from rfkit.preflight import check_ckpt_path
+
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--ckpt_path" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--ckpt_path="):
+            path = arg.split("=", 1)[1]
+    try:
+        check_ckpt_path(path)
+    except RFKitError as found:
+        return one_line(found)
+    reason = one_line(err).split(". ")[0][:160]
+    return f"--ckpt_path: cannot read '{path}' as a checkpoint ({reason}); it may be truncated or corrupt"
+
+
+class _DropSeedMessage(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Seed set to")
+
+
+def _quiet_seed_message() -> None:
+    """Drop Lightning's "Seed set to N" line (the seed is in the saved config.yaml): it would
+    come before a one-line error on stderr."""
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    if not any(isinstance(f, _DropSeedMessage) for f in seed_log.filters):
+        seed_log.addFilter(_DropSeedMessage())
 
 
 def _bench(argv: list[str]) -> int:

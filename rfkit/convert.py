@@ -27,22 +27,44 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _cannot_load(what: str, name: str, err: BaseException):
+    from rfkit.hub import SourceError
+
+    reason = " ".join(str(err).split())
+    return SourceError(f"model.base_model: cannot load the {what} of '{name}': {reason[:300]}")
+
+
 def load_config(name: str, trust_remote_code: bool = False):
+    """The HF config of a model (no weights); a config that cannot be fetched or read (no
+    network for a hub id, a broken file) is a one-line error naming ``model.base_model``."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(name), trust_remote_code=trust_remote_code)
+    path = resolve_model(name)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise _cannot_load("config", name, err) from None
 
 
 def load_base_model(name: str, dtype: str = "float32", trust_remote_code: bool = False):
-    """Load a causal LM (weights from safetensors only) and check its attention layout."""
+    """Load a causal LM (weights from safetensors only) and check its attention layout.
+    Weights that cannot be fetched or read (no network, a truncated or foreign file) are a
+    one-line error naming ``model.base_model``."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name)
     config = load_config(name, trust_remote_code)
     AttentionLayout.from_config(config)  # fail on an unknown layout before loading weights
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code
-    )
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors
+        SafetensorError = OSError  # noqa: N806
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, SafetensorError) as err:
+        raise _cannot_load("weights", name, err) from None
     return model
 
 
@@ -55,7 +77,14 @@ def profile_cache_path(model_name: str, data_fingerprint: str, settings: dict, s
 
 def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=None, reuse: bool = True, progress: bool = True):
     """The calibration profile ``policy`` needs (reused from the cache when the model, data
-    and settings match), and the data's provenance: ``(profile or None, data_info)``."""
+    and settings match), and the data's provenance: ``(profile or None, data_info)``.
+
+    Under ``torch.distributed`` (more than one rank) every rank must call this: the ranks agree
+    to reuse the cached profile only if every one of them finds it (a cache that is not on
+    shared storage may exist on one node only), profile together otherwise (see
+    :func:`rfkit.profile.profile_heads`), and only global rank 0 writes the cache file."""
+    from rfkit.profile import collective_device, dist_rank_world
+
     settings = policy.profile_settings()
     if settings is None:
         return None, {}
@@ -64,11 +93,18 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     datamodule.setup("fit")
     data_info = datamodule.describe()
     path = profile_cache_path(model_name, datamodule.fingerprint(), settings, len(datamodule.calibration))
-    if reuse and path.exists():
+    rank, world = dist_rank_world()
+    found = reuse and path.exists()
+    if reuse and world > 1:  # one decision for all ranks, or they would not meet in profile_heads
+        flag = torch.tensor([int(found)], device=collective_device(next(model.parameters()).device))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        found = bool(flag.item())
+    if found:
         log.info("reusing head profile %s", path)
         return load_profile(path), data_info
     profile = profile_heads(model, datamodule.calibration_dataloader(), progress=progress, **settings)
-    save_profile(profile, path)
+    if rank == 0:
+        save_profile(profile, path)
     return profile, data_info
 
 

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rfkit.atomic import atomic_write
 from rfkit.hub import (
@@ -177,7 +177,10 @@ def _text_of(obj: Any, field: str, where: str) -> str | None:
         raise SourceError(f"data.source: {where} is a {type(obj).__name__}, expected an object or a string")
     if field not in obj:
         fields = ", ".join(sorted(map(str, obj))[:8]) or "none"
-        raise SourceError(f"data.text_field: field '{field}' missing in {where} (fields: {fields})")
+        raise SourceError(
+            f"data.text_field: field '{field}' missing in {where} (fields: {fields}); "
+            "set data.text_field to the field that holds the text"
+        )
     text = obj[field]
     if text is None:
         return None
@@ -211,19 +214,30 @@ def _read_txt(path: Path) -> Iterator[Document]:
                 yield doc
 
 
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> SourceError:
+    return SourceError(
+        f"data.source: {path.name} is not UTF-8 text (byte {err.start}: {_one_line(err.reason)}); "
+        "allowed: UTF-8 .txt, .jsonl or .json files"
+    )
+
+
 def _read_jsonl(path: Path, field: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SourceError(f"data.source: {where} is not valid JSON ({_one_line(e)})") from None
-            doc = _make_doc(_text_of(obj, field, where), _title_of(obj))
-            if doc:
-                yield doc
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path.name} line {lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SourceError(f"data.source: {where} is not valid JSON ({_one_line(e)})") from None
+                doc = _make_doc(_text_of(obj, field, where), _title_of(obj))
+                if doc:
+                    yield doc
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
 
 
 def _read_json(path: Path, field: str) -> Iterator[Document]:
@@ -232,6 +246,8 @@ def _read_json(path: Path, field: str) -> Iterator[Document]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise SourceError(f"data.source: {path.name} is not valid JSON ({_one_line(e)})") from None
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
     if isinstance(data, dict):
         for title, obj in data.items():
             where = f"{path.name} entry '{_one_line(title, 60)}'"
@@ -371,6 +387,47 @@ class _Blocks(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.blocks[i]}
+
+
+class ResumableShuffle(DistributedSampler):
+    """The training order: a fresh permutation per epoch from ``seed``, resumable mid-epoch.
+
+    Epoch ``e`` gets the order a ``DataLoader(shuffle=True, generator=seeded)`` gives in its
+    ``e``-th pass (so runs made before this sampler train on the same batches), but as a function
+    of (seed, epoch) alone,
+    so a process that starts in epoch 3 (a resumed run) sees epoch 3's order. Lightning calls
+    :meth:`set_epoch` at every epoch start. Under DDP (``num_replicas`` > 1) rank ``r`` takes
+    every ``num_replicas``-th index of the permutation from ``r`` (the tail that does not divide
+    evenly is dropped); as a ``DistributedSampler`` it is kept as it is by Lightning.
+
+    :meth:`resume_at` makes the next pass over ``epoch`` start after ``batches`` batches, the
+    ones the checkpoint already trained on.
+    """
+
+    def __init__(self, dataset, seed: int, batch_size: int, num_replicas: int = 1, rank: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        self._resume = (int(epoch), int(batches))
+
+    def order(self, epoch: int) -> list[int]:
+        """This rank's indices for ``epoch``, before any resume skip."""
+        n, generator = len(self.dataset), torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch + 1):  # the draws a seeded DataLoader(shuffle=True) makes per epoch:
+            torch.empty((), dtype=torch.int64).random_(generator=generator)  # its iterator's base seed,
+            perm = torch.randperm(n, generator=generator)  # RandomSampler's permutation,
+            torch.randperm(n, generator=generator)  # and its (empty) remainder slice of another
+        return perm[: self.total_size][self.rank :: self.num_replicas].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.order(self.epoch)
+        if self._resume is not None and self._resume[0] == self.epoch:
+            indices = indices[self._resume[1] * self.batch_size :]
+            log.info("data: resuming epoch %d after its first %d batches", self.epoch, self._resume[1])
+        self._resume = None
+        return iter(indices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,6 +587,43 @@ class TextDataModule(L.LightningDataModule):
                 "allowed: .txt, .jsonl, .json or a directory of them"
             )
 
+    #: ``.json`` files up to this size are parsed by :meth:`check_text` (they cannot be read lazily)
+    CHECK_TEXT_JSON_BYTES = 64 * 2**20
+
+    @staticmethod
+    def check_text(source: str, text_field: str = "text") -> None:
+        """The preflight on a local source's contents, before any model loads (the CLI runs it
+        on the recipe's ``data`` section): not every file empty (0 bytes), and at least one
+        usable document. It reads only up to the first document (``.json`` files of at most
+        :attr:`CHECK_TEXT_JSON_BYTES`), so a bad row after it is still found by
+        :meth:`setup`. The embedded data and hub datasets are not read here; neither is
+        anything that :meth:`check` already refuses.
+
+        Raises:
+            SourceError: one line naming ``data.source`` (or ``data.text_field``).
+        """
+        if not isinstance(source, str) or source_kind(source) != "local" or not isinstance(text_field, str):
+            return
+        root = Path(source).expanduser()
+        if not root.exists() or (root.is_file() and root.suffix.lower() not in LOCAL_SUFFIXES):
+            return
+        files = _local_files(root)
+        sized = [(p, p.stat().st_size) for p in files]
+        if sized and all(size == 0 for _, size in sized):
+            what = f"file '{source}' is" if root.is_file() else f"every file in directory '{source}' is"
+            raise SourceError(f"data.source: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
+        for path, size in sized:
+            if size == 0 or (path.suffix.lower() == ".json" and size > TextDataModule.CHECK_TEXT_JSON_BYTES):
+                if size:
+                    return  # too big to parse twice; setup() reads it
+                continue
+            if next(iter(_read_local(path, text_field)), None) is not None:
+                return
+        field = f" (the '{text_field}' field, data.text_field, is empty or null in every row)" if any(
+            p.suffix.lower() in (".jsonl", ".json") for p in files
+        ) else " (every line is blank)"
+        raise SourceError(f"data.source: '{source}' contains no documents{field}; give text to tokenise")
+
     # ---------------------------------------------------------------- identity
 
     def _settings(self) -> dict[str, Any]:
@@ -679,14 +773,29 @@ class TextDataModule(L.LightningDataModule):
                 self.train.shape[0], self.batch_size,
             )
 
+    def train_sampler(self, dataset) -> ResumableShuffle:
+        """The training order (see :class:`ResumableShuffle`), sharded over the trainer's ranks
+        and starting where a resumed checkpoint left off (:meth:`resume_at`)."""
+        trainer = getattr(self, "trainer", None)
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = ResumableShuffle(dataset, self.seed, self.batch_size, num_replicas=replicas, rank=rank)
+        if getattr(self, "_resume", None) is not None:
+            sampler.resume_at(*self._resume)
+            self._resume = None
+        return sampler
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """Start the training loader's pass over ``epoch`` after its first ``batches`` batches
+        (set by the module when it restores a checkpoint saved mid-epoch)."""
+        self._resume = (epoch, batches)
+
     def _loader(self, blocks: torch.Tensor, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        dataset = _Blocks(blocks)
         return DataLoader(
-            _Blocks(blocks),
+            dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=self.train_sampler(dataset) if shuffle else None,
             drop_last=shuffle,
-            generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )

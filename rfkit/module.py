@@ -8,8 +8,9 @@ in :meth:`configure_model`, so that the datamodule (calibration data) and the ca
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+import json
 import logging
+from dataclasses import asdict, dataclass
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -125,6 +126,9 @@ class RecurFormerModule(L.LightningModule):
         self.policy, self.operator = policy, operator
         if not isinstance(self.policy, HeadSelectionPolicy):
             raise PolicyError(f"model.policy: {type(self.policy).__name__} is not a HeadSelectionPolicy subclass")
+        from rfkit.policies import check_all_heads
+
+        check_all_heads(self.policy)  # beta = 1 needs allow_all_heads: true (the paper: quality is destroyed)
         if not isinstance(self.operator, ReplacementOperator):
             raise PolicyError(f"model.operator: {type(self.operator).__name__} is not a ReplacementOperator subclass")
         if isinstance(freeze, str) and freeze not in FREEZE_PRESETS:
@@ -163,6 +167,11 @@ class RecurFormerModule(L.LightningModule):
         self.run_metrics: dict = {}  # filled by callbacks and by this module; summary.json reads it
         self.train_tokens = 0
         self.started = time.time()
+        self.resumed_from: str | None = None  # the checkpoint this run's architecture was rebuilt from
+        self._wall_before = 0.0  # seconds spent by the runs this one resumes
+        self._epoch_batches = 0  # training batches done in the current epoch (saved as the data position)
+        self._saved_step: int | None = None  # global step of the last checkpoint this run wrote
+        self._hold_by_grad = False  # freeze stages by dropping gradients (DDP/FSDP; see _improve)
 
     # -- conversion ---------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -179,12 +188,111 @@ class RecurFormerModule(L.LightningModule):
         if self.model is not None:
             return
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        resume = getattr(self._trainer, "rf_ckpt_path", None)
+        if resume:  # --ckpt_path: the converted architecture comes from the checkpoint
+            self.prepare_from_checkpoint(resume, datamodule, getattr(self._trainer, "rf_ckpt_meta", None))
+            return
         self.prepare(datamodule, callbacks=self.trainer.callbacks if self._trainer is not None else [])
+
+    def _load_base(self):
+        """The base model; under FSDP moved to this rank's device for conversion (FSDP shards a
+        module that is already there), where single-device and DDP runs get it from Lightning."""
+        model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if strategy is not None:
+            from lightning.pytorch.strategies import FSDPStrategy
+
+            if isinstance(strategy, FSDPStrategy):
+                model.to(strategy.root_device)
+        return model
+
+    def prepare_from_checkpoint(self, path: str, datamodule=None, meta: dict | None = None) -> None:
+        """Rebuild the converted model that checkpoint ``path`` was saved from: load the base
+        model, replace the heads of the checkpoint's head map with its operator, and add the
+        recipe's LoRA adapters, freezing and teacher. No profiling and no attention transfer:
+        Lightning loads the trained weights into this architecture next."""
+        from rfkit.checkpointing import read_meta
+
+        meta = self.check_checkpoint(path, meta or read_meta(path))
+        head_map = HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")
+        model = self._load_base()
+        head_map.check_layout(AttentionLayout.from_config(model.config), "--ckpt_path", str(path))
+        self.model = convert(model, head_map, self.operator)
+        self.head_map = head_map
+        self.run_metrics.update(meta.get("run_metrics") or {})
+        self.resumed_from = str(path)
+        log.info(
+            "rebuilt the converted model from checkpoint %s (%d of %d query heads replaced); no profiling",
+            path, head_map.replaced_heads, head_map.total_heads,
+        )  # fmt: skip
+        self._improve(datamodule, restoring=True)
+        self.model.train()
+        if hasattr(datamodule, "resume_at"):  # the loader does resume mid-epoch (see on_load_checkpoint)
+            import warnings
+
+            from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+            warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before", PossibleUserWarning)
+
+    def check_checkpoint(self, path: str, meta: dict) -> dict:
+        """``meta`` (a checkpoint's rfkit entry) if this recipe can resume it; a one-line
+        :class:`CheckpointError` when the checkpoint was made with another operator or model."""
+        from rfkit.checkpointing import CheckpointError
+
+        ours, theirs = self.operator.to_dict(), meta.get("operator")
+        if theirs and theirs != ours:
+            raise CheckpointError(
+                f"--ckpt_path: '{path}' was trained with another model.operator ({_difference(theirs, ours)}); "
+                "resume with the recipe that made it"
+            )
+        if meta.get("base_model") not in (None, self.base_model):
+            raise CheckpointError(
+                f"--ckpt_path: '{path}' was converted from {meta['base_model']!r}, the recipe's model.base_model "
+                f"is {self.base_model!r}; resume with the recipe that made it"
+            )
+        HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")  # a readable map
+        return meta
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Put the converted architecture (head map, operator) and the run's state into the
+        checkpoint, as plain data that ``torch.load(weights_only=True)`` reads."""
+        from rfkit import __version__
+        from rfkit.checkpointing import META_FORMAT, META_KEY
+
+        if self.head_map is None:
+            return
+        self._saved_step = self.global_step
+        plain = lambda value: json.loads(json.dumps(value, default=float))  # noqa: E731  (no numpy / tensors)
+        checkpoint[META_KEY] = {
+            "format": META_FORMAT,
+            "rfkit_version": __version__,
+            "base_model": self.base_model,
+            "operator": self.operator.to_dict(),
+            "head_map": plain(asdict(self.head_map)),
+            "run_metrics": plain(self.run_metrics),
+            "train_tokens": int(self.train_tokens),
+            "wall_seconds": round(self._wall_before + time.time() - self.started, 1),
+            "data_position": {"epoch": int(self.current_epoch), "batches": int(self._epoch_batches)},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore what the checkpoint's run had counted and where its data stood."""
+        from rfkit.checkpointing import META_KEY
+
+        meta = checkpoint.get(META_KEY) or {}
+        self.train_tokens = int(meta.get("train_tokens", 0))
+        self._wall_before = float(meta.get("wall_seconds", 0.0))
+        self.run_metrics.update(meta.get("run_metrics") or {})
+        position = meta.get("data_position")
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if position and hasattr(datamodule, "resume_at"):
+            datamodule.resume_at(position["epoch"], position["batches"])
 
     def prepare(self, datamodule=None, callbacks=()) -> None:
         """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
         ``on_after_convert`` see the original and the converted model."""
-        model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
+        model = self._load_base()
         policy = self.policy
         if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
             from rfkit.policies import FromHeadMap
@@ -214,15 +322,16 @@ class RecurFormerModule(L.LightningModule):
             if hasattr(cb, "on_after_convert"):
                 cb.on_after_convert(self, datamodule)
 
-    def _improve(self, datamodule) -> None:
+    def _improve(self, datamodule, restoring: bool = False) -> None:
         """The quality methods that act on the freshly converted model, in order: init, transfer,
-        LoRA, freezing, and the teacher for distillation."""
-        if self.init == "from_attention":
+        LoRA, freezing, and the teacher for distillation. ``restoring`` (a checkpoint's weights
+        follow) skips init and transfer."""
+        if self.init == "from_attention" and not restoring:
             init_from_attention(self.model, self.operator)
         trainable = getattr(self.operator, "trainable", True)
         if self.transfer_config is not None and not trainable:
             log.info("model.transfer: skipped, %s has no weights to learn", type(self.operator).__name__)
-        if self.transfer_config is not None and trainable and self.model.rf_originals:
+        if self.transfer_config is not None and trainable and self.model.rf_originals and not restoring:
             from rfkit.transfer import transfer
 
             if datamodule is None or getattr(datamodule, "calibration", None) is None:
@@ -235,7 +344,17 @@ class RecurFormerModule(L.LightningModule):
             self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
+        # Under DDP / FSDP a freeze schedule cannot switch requires_grad after wrapping (the
+        # wrapper would never all-reduce the newly unfrozen gradients, and ranks would drift):
+        # every stage's parameters keep requires_grad, and each step drops the gradients of those
+        # its stage holds (on_before_optimizer_step), which leaves them untouched by the optimizer.
+        self._hold_by_grad = bool(self.freeze_schedule) and self._trainer is not None and self.trainer.world_size > 1
+        if self._hold_by_grad:
+            names = set().union(*(trainable_names(self.model, st.freeze) for st in self.freeze_schedule))
+            for name, param in self.model.named_parameters():
+                param.requires_grad_(name in names)
+        else:
+            apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
         self._stage = 0 if self.freeze_schedule else None
         if self.distill is not None and self.distill.needs_teacher:
             from rfkit.teacher import SharedTeacher
@@ -258,30 +377,75 @@ class RecurFormerModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, parts = training_loss(self.model, batch, self.distill, self.teacher)
+        self._stop_unless_finite(loss, "loss")
         self.train_tokens += batch["input_ids"].numel()
+        self._epoch_batches = batch_idx + 1
         if self.distill is not None:
             for name, value in parts.items():
                 self.log(f"train_{name}", value)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Stop before an optimizer step with non-finite gradients would spoil the weights (and
+        the next checkpoint). fp16 AMP skips such steps itself, so it is left to its scaler.
+        Under DDP with a freeze schedule, first drops the gradients of the parameters the
+        current stage holds (see ``_improve``)."""
+        if self._hold_by_grad:
+            freeze = self.freeze_schedule[self._stage].freeze
+            for name, param in self.model.named_parameters():
+                if param.grad is not None and not trains(name, freeze):
+                    param.grad = None
+        if self._trainer is not None and str(self.trainer.precision).startswith("16"):
+            return
+        norms = [p.grad.detach().float().norm() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if norms:
+            self._stop_unless_finite(torch.stack(norms).sum(), "gradient norm")
+
+    def _stop_unless_finite(self, value: torch.Tensor, what: str) -> None:
+        """Raise :class:`TrainingDiverged` on every rank if ``value`` is NaN or inf on any rank."""
+        from rfkit.checkpointing import TrainingDiverged
+
+        bad = not bool(torch.isfinite(value.detach()).all())
+        if self._trainer is not None:
+            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            return
+        step = self.global_step + 1 if self._trainer is not None else 0
+        shown = float(value.detach().float().sum())
+        raise TrainingDiverged(f"training: the {what} is {shown:g} at step {step}; stopped before the update. {self._last_good()}")
+
+    def _last_good(self) -> str:
+        callback = getattr(self._trainer, "checkpoint_callback", None) if self._trainer is not None else None
+        last = getattr(callback, "last_model_path", "") if callback is not None else ""
+        if last and Path(last).exists():
+            return (
+                f"The last good checkpoint is {last} (step {self._saved_step}): resume it with --ckpt_path last and a lower learning rate "
+                "(model.optimizer), or check the data"
+            )
+        return "No checkpoint was saved before it (checkpoint.every_n_train_steps); lower the learning rate or check the data"
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_batches = 0
+
     def on_train_batch_start(self, batch, batch_idx):
         if not self.freeze_schedule:
             return
         stage = stage_at(self.freeze_schedule, self.global_step)
         if stage != self._stage:
-            apply_freeze(self.model, self.freeze_schedule[stage].freeze)
+            if not self._hold_by_grad:
+                apply_freeze(self.model, self.freeze_schedule[stage].freeze)
             log.info("freeze schedule: step %d, stage %d (freeze %s)", self.global_step, stage, self.freeze_schedule[stage].freeze)
             self._stage = stage
 
     def validation_step(self, batch, batch_idx):
         nll, n = self._nll(batch)
-        self.log("val_loss", nll / n, prog_bar=True)
+        self.log("val_loss", nll / n, prog_bar=True, sync_dist=True)
         return {"nll_sum": nll.detach(), "tokens": n}
 
     def test_step(self, batch, batch_idx):
         nll, n = self._nll(batch)
-        self.log("test_loss", nll / n)
+        self.log("test_loss", nll / n, sync_dist=True)
         return {"nll_sum": nll.detach(), "tokens": n}
 
     def configure_optimizers(self):
@@ -299,6 +463,15 @@ class RecurFormerModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
 
 
+def _difference(theirs: dict, ours: dict) -> str:
+    """What differs between two operator specs, as 'checkpoint X, recipe Y'."""
+    if theirs.get("class_path") != ours.get("class_path"):
+        return f"checkpoint {theirs.get('class_path')}, recipe {ours.get('class_path')}"
+    a, b = theirs.get("init_args") or {}, ours.get("init_args") or {}
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return "; ".join(f"{k}: checkpoint {a.get(k)!r}, recipe {b.get(k)!r}" for k in keys)
+
+
 def no_weights_message(operator, freeze) -> str:
     return (
         f"model.freeze: {type(operator).__name__} has no weights to train, so freeze {freeze!r} leaves nothing; "
@@ -314,8 +487,14 @@ def _is_lora(name: str) -> bool:
     return ".lora_" in name
 
 
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
 def trains(name: str, freeze: str | list[str]) -> bool:
-    """Whether parameter ``name`` trains under the ``freeze`` setting (see :class:`RecurFormerModule`)."""
+    """Whether parameter ``name`` trains under the ``freeze`` setting (see :class:`RecurFormerModule`).
+    FSDP and activation-checkpointing wrapper names are ignored, so patterns match either way."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
     if freeze == "none":
         return True
     if freeze == "all":
@@ -385,10 +564,18 @@ def init_from_attention(model, operator: ReplacementOperator) -> None:
 
 
 def check_model_source(name: str, trust_remote_code: bool = False) -> None:
-    """Cheap checks before anything loads: a local path exists and its layout is supported."""
-    if is_embedded(name):
-        from rfkit.hub import EMBEDDED_MODEL
+    """Cheap checks before anything loads (config files only, never weights):
 
+    * a local directory exists, holds a readable ``config.json`` of a supported attention
+      layout, and safetensors weights (all shards of an index), none of them truncated;
+    * a hub id is well formed; offline (``HF_HUB_OFFLINE=1``) it must be complete in the
+      Hugging Face cache (not missing, not a half-finished download); a cached config is
+      checked for its layout as a local one is;
+    * the embedded name is the one rfkit ships.
+    """
+    from rfkit.hub import EMBEDDED_MODEL, check_hub_model, check_weight_files, missing_weights
+
+    if is_embedded(name):
         if name != EMBEDDED_MODEL:
             raise SourceError(f"model.base_model: unknown embedded model '{name}'; allowed: {EMBEDDED_MODEL}")
         return
@@ -396,15 +583,40 @@ def check_model_source(name: str, trust_remote_code: bool = False) -> None:
         path = Path(name).expanduser()
         if not path.exists():
             raise SourceError(f"model.base_model: path '{name}' does not exist")
+        if not path.is_dir():
+            raise SourceError(f"model.base_model: '{name}' is a file; give a HF model directory (with config.json)")
         if not (path / "config.json").exists():
             raise SourceError(f"model.base_model: '{name}' has no config.json (not a HF model directory)")
-        import json
+        _check_config_dir(path, name, trust_remote_code)
+        missing = missing_weights(path)
+        if missing:
+            raise SourceError(
+                f"model.base_model: '{name}' has no weights ({', '.join(missing)} missing); "
+                "rfkit loads safetensors (save the model with save_pretrained)"
+            )
+        check_weight_files(path, name)
+        return
+    snapshot = check_hub_model(name)
+    if snapshot is not None:
+        _check_config_dir(snapshot, name, trust_remote_code)
+        check_weight_files(snapshot, name)
 
-        from transformers import AutoConfig
 
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        try:
-            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError) as err:
-            raise LayoutError(f"model.base_model: cannot read the config of '{name}' (model_type {model_type!r}): {err}")
-        AttentionLayout.from_config(config)
+def _check_config_dir(path: Path, name: str, trust_remote_code: bool) -> None:
+    """``path/config.json`` is JSON that transformers reads, of an attention layout rfkit knows."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise SourceError(f"model.base_model: cannot read {path / 'config.json'}: {' '.join(str(err).split())}") from None
+    if not isinstance(raw, dict):
+        raise SourceError(f"model.base_model: {path / 'config.json'} holds a {type(raw).__name__}, not a config object")
+    model_type = raw.get("model_type")
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, TypeError) as err:
+        raise LayoutError(
+            f"model.base_model: cannot read the config of '{name}' (model_type {model_type!r}): {' '.join(str(err).split())}"
+        ) from None
+    AttentionLayout.from_config(config)

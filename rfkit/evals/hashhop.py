@@ -652,13 +652,12 @@ class HashHopDataModule(TextDataModule):
         return 0 if pad is None else int(pad)
 
     def _hashhop_loader(self, rows, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        dataset = _Tokenized(rows)
         return DataLoader(
-            _Tokenized(rows),
+            dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=self.train_sampler(dataset) if shuffle else None,
             drop_last=shuffle,
-            generator=generator,
             collate_fn=_Collate(self._pad_id()),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
