@@ -1,4 +1,10 @@
-"""Perplexity from summed token NLL, for the original and the converted model."""
+"""Perplexity from summed token NLL, for the original and the converted model.
+
+Distributed runs (DDP, FSDP): validation sums are reduced over the ranks (each rank saw its
+share of the validation blocks) on every rank, so every rank logs and records the same value;
+the perplexity before conversion and after training is computed on every rank over all the
+validation blocks (under FSDP through the sharded root module, in step on every rank).
+"""
 
 from __future__ import annotations
 
@@ -32,15 +38,17 @@ class SummedNLL(Metric):
 
 @torch.no_grad()
 def evaluate_perplexity(model, batches, max_batches: int | None = None, desc: str = "perplexity") -> float:
-    """Perplexity of ``model`` over ``batches`` (dicts with ``input_ids``)."""
+    """Perplexity of ``model`` over ``batches`` (dicts with ``input_ids``); the progress bar shows
+    on rank 0 of a distributed run only."""
     from rfkit.module import summed_nll
+    from rfkit.profile import dist_rank_world
 
     metric = SummedNLL()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = len(batches) if max_batches is None else min(max_batches, len(batches))
-    for i, batch in enumerate(tqdm(batches, desc=desc, total=total, unit="batch")):
+    for i, batch in enumerate(tqdm(batches, desc=desc, total=total, unit="batch", disable=dist_rank_world()[0] != 0)):
         if max_batches is not None and i >= max_batches:
             break
         ids = batch["input_ids"].to(device)
@@ -59,7 +67,9 @@ class PerplexityMonitor(L.Callback):
 
     def __init__(self, max_batches: int | None = None):
         self.max_batches = max_batches
-        self.metric = SummedNLL()
+        # reduced explicitly in on_validation_epoch_end (on the strategy's device, as NCCL needs),
+        # not by torchmetrics' own sync of these CPU states
+        self.metric = SummedNLL(sync_on_compute=False)
 
     def _evaluate(self, pl_module, datamodule, desc: str) -> float:
         return evaluate_perplexity(pl_module.model, datamodule.val_dataloader(), self.max_batches, desc)
@@ -77,12 +87,28 @@ class PerplexityMonitor(L.Callback):
             self.metric.update(outputs["nll_sum"].cpu(), outputs["tokens"])
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if int(self.metric.tokens) > 0 and not trainer.sanity_checking:
-            ppl = float(self.metric.compute())
-            pl_module.log("val_ppl", ppl)
+        if trainer.sanity_checking:  # the same on every rank, unlike a rank's own token count
+            return
+        # summed over ranks on every rank (a reduce on some ranks only would wait forever)
+        sums = torch.stack([self.metric.nll, self.metric.tokens.to(torch.float64)]).to(trainer.strategy.root_device)
+        nll, tokens = trainer.strategy.reduce(sums, reduce_op="sum").cpu().tolist()
+        if tokens > 0:
+            ppl = float(torch.exp(torch.tensor(nll / tokens, dtype=torch.float64)))
+            pl_module.log("val_ppl", ppl, sync_dist=True)  # already the same on every rank; says so to Lightning
             pl_module.run_metrics["ppl_converted"] = ppl
 
     def on_train_end(self, trainer, pl_module) -> None:
         datamodule = trainer.datamodule
-        if datamodule is not None:
-            pl_module.run_metrics["ppl_converted"] = self._evaluate(pl_module, datamodule, "perplexity (converted)")
+        if datamodule is None:
+            return
+        from rfkit.callbacks.summary import fsdp_root
+
+        root = fsdp_root(trainer)
+        if root is not None:
+            # FSDP: pl_module.model holds shards; the root module gathers them layer by layer for
+            # each forward (a collective: every rank runs the same batches), and its forward is
+            # RecurFormerModule.forward, the HF model's
+            ppl = evaluate_perplexity(root, datamodule.val_dataloader(), self.max_batches, "perplexity (converted)")
+        else:  # one process, or DDP: every rank holds the whole model; no collective needed
+            ppl = self._evaluate(pl_module, datamodule, "perplexity (converted)")
+        pl_module.run_metrics["ppl_converted"] = ppl

@@ -25,6 +25,11 @@ The attention is never materialised for the whole model: profiling swaps in an a
 function (registered with transformers' ``AttentionInterface``) that computes each layer's
 output in query chunks and accumulates the RR sums and row entropies on the way, so peak
 memory is O(chunk x L) for one layer.
+
+Under ``torch.distributed`` (a DDP or FSDP run with more than one process), each rank profiles
+only its shard of the calibration batches (batch ``i`` on rank ``i % world_size``) and the counts
+and sums are then all-reduced, so every rank returns the same profile, the one a single process
+would compute.
 """
 
 from __future__ import annotations
@@ -197,6 +202,38 @@ def _profiling(model, collector):
         model.set_attn_implementation(previous)
 
 
+def dist_rank_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default ``torch.distributed`` process group, or ``(0, 1)``
+    when there is none (or it has one process)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world > 1:
+            return dist.get_rank(), world
+    return 0, 1
+
+
+def collective_device(fallback: torch.device) -> torch.device:
+    """Where tensors must live for a collective on the default process group: the CPU when the
+    backend serves CPU tensors (gloo, mpi, or a ``cpu:gloo,cuda:nccl`` mix), else ``fallback``
+    (the model's device; NCCL takes CUDA tensors only)."""
+    backend = str(torch.distributed.get_backend()).lower()
+    if any(name in backend for name in ("gloo", "mpi")):
+        return torch.device("cpu")
+    return fallback
+
+
+def _all_reduce(tensors: list[torch.Tensor], device: torch.device, op=None) -> list[torch.Tensor]:
+    """Sum (or ``op``) ``tensors`` over all ranks; returns CPU tensors."""
+    dist = torch.distributed
+    out = []
+    for t in tensors:
+        moved = t.to(device).contiguous()
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM if op is None else op)
+        out.append(moved.cpu())
+    return out
+
+
 @torch.no_grad()
 def profile_heads(
     model,
@@ -208,19 +245,38 @@ def profile_heads(
     progress: bool = True,
 ) -> HeadProfile:
     """Run calibration ``batches`` (dicts with ``input_ids`` (B, L)) through ``model``; return RR
-    and entropy stats."""
+    and entropy stats.
+
+    With an initialised ``torch.distributed`` process group of more than one rank, every rank
+    must call this with the same ``batches``: rank r runs batches r, r + world_size, ... and the
+    counts and sums are all-reduced, so all ranks return the single-process profile (RA-I and
+    ``samples`` exactly, the means to float64 summation order). The progress bar shows on rank 0.
+    """
     layout = AttentionLayout.from_config(model.config)
     collector = _RecencyCollector(layout, window, alpha, exclude_first_token, chunk)
     device = next(model.parameters()).device
+    rank, world = dist_rank_world()
     seq_len = 0
     was_training = model.training
     model.eval()
     with _profiling(model, collector):
-        for batch in tqdm(batches, desc="profiling heads", disable=not progress, unit="batch"):
+        for i, batch in enumerate(tqdm(batches, desc="profiling heads", disable=not progress or rank != 0, unit="batch")):
+            if i % world != rank:  # another rank's shard
+                continue
             ids = batch["input_ids"].to(device)
             seq_len = ids.shape[1]
             model(input_ids=ids, use_cache=False)
     model.train(was_training)
+    if world > 1:  # every rank reaches this, also one whose shard was empty
+        where = collective_device(device)
+        counts = torch.cat([collector.rai.flatten(), torch.tensor([collector.samples], dtype=torch.long)])
+        sums = torch.stack([collector.rr_sum, collector.entropy_sum])
+        counts, sums = _all_reduce([counts, sums], where)
+        (longest,) = _all_reduce([torch.tensor([seq_len], dtype=torch.long)], where, torch.distributed.ReduceOp.MAX)
+        collector.rai = counts[:-1].view_as(collector.rai)
+        collector.samples = int(counts[-1])
+        collector.rr_sum, collector.entropy_sum = sums[0], sums[1]
+        seq_len = int(longest)
     if collector.samples == 0:
         raise ValueError("profiling got no calibration samples")
     rr_mean = (collector.rr_sum / collector.samples).tolist()

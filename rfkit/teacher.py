@@ -46,6 +46,17 @@ def _lora_layers(model) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
+def decoder_layer(layer: nn.Module) -> nn.Module:
+    """The decoder layer itself, inside any FSDP / activation-checkpointing wrappers. Those
+    wrappers forward attribute reads to it but not assignments, so the attention swap must
+    happen on the layer they wrap."""
+    while True:
+        inner = layer._modules.get("_fsdp_wrapped_module") or layer._modules.get("_checkpoint_wrapped_module")
+        if inner is None:
+            return layer
+        layer = inner
+
+
 class SharedTeacher:
     """Runs the original model inside the converted one (see the module docstring).
 
@@ -85,13 +96,13 @@ class SharedTeacher:
 
     def _student_attention(self):
         layers = self.model.get_decoder().layers
-        return [layers[i].self_attn for i in self.originals]
+        return [decoder_layer(layers[i]).self_attn for i in self.originals]
 
     # -- running ------------------------------------------------------------------------------
     @contextmanager
     def active(self):
         """Inside this block ``self.model`` is the original model (no LoRA, original attention)."""
-        layers = self.model.get_decoder().layers
+        layers = [decoder_layer(layer) for layer in self.model.get_decoder().layers]
         swapped = {}
         device = next(self.model.parameters()).device
         lora = [m for m in _lora_layers(self.model) if not m.disable_adapters]

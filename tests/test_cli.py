@@ -54,8 +54,10 @@ def test_every_recipe_parses_against_the_signatures_it_names(recipe):
 
     text = recipe.read_text()
     assert text.startswith("#") and "rfkit fit --config recipes/" in text  # comment block with the command
+    # instantiated on this CPU: a GPU recipe's FSDP strategy refuses the CPU accelerator, so the
+    # strategy is replaced here (test_ddp.py checks what the FSDP settings parse to)
     cli = make_cli(
-        ["--config", str(recipe), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true"],
+        ["--config", str(recipe), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.strategy", "auto"],
         run=False,
         trainer_defaults={"logger": False, "enable_checkpointing": False},
     )
