@@ -215,6 +215,7 @@ def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
         auto_configure_optimizers=False,
     )
     options.update(kwargs)
+    _quiet_seed_message()  # bad input is one line on stderr: no "Seed set to 0" before it
     with warnings.catch_warnings():
         # args is passed explicitly (rewritten by main, or a recipe read by bench / eval / sweep);
         # Lightning would warn on stderr that sys.argv holds arguments too
@@ -277,7 +278,6 @@ def main(args: list[str] | None = None) -> None:
         argv = _resolve_config_args(argv)  # --config smollm2_b05 -> the packaged recipe's path
         load_plugins()
         PARSE_ARGS[:] = argv  # lets a parse error name the full field (tidy_parse_error)
-        _quiet_seed_message()  # bad input is one line on stderr: no "Seed set to 0" before it
         make_cli(argv, save_config_kwargs={"overwrite": True})
     except ValueError as err:
         found = user_error(err)

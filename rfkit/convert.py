@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from rfkit.errors import RFKitError
 from rfkit.headmap import HeadMap, atomic_write_text, load_profile, model_fingerprint, save_profile
 from rfkit.hub import cache_dir, resolve_model
 from rfkit.layout import AttentionLayout
@@ -108,26 +107,13 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     return profile, data_info
 
 
-def _weights_dir(model_name: str) -> str | None:
-    """The local directory holding ``model_name``'s weight files, if it can be found without
-    downloading anything: a local or embedded model's directory, or a cached hub snapshot."""
-    try:
-        resolved = resolve_model(model_name)
-    except RFKitError:
-        return None
-    if Path(resolved).is_dir():
-        return resolved
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(resolved, local_files_only=True)
-    except Exception:  # not a hub id, or not in the local hub cache: the weights stay unknown
-        return None
-
-
 def fingerprint_model(model, model_name: str) -> dict:
     """``{"config_sha256", "weights"}`` of a loaded model (see :func:`rfkit.headmap.model_fingerprint`)."""
-    return model_fingerprint(model.config, _weights_dir(model_name))
+    from rfkit.hub import local_model_dir
+
+    # the directory already holding the weight files (local, embedded copy or cached hub
+    # snapshot), found without downloading anything; None leaves the weights unknown
+    return model_fingerprint(model.config, local_model_dir(model_name))
 
 
 def reuse_head_map(model_name: str, layout: AttentionLayout, policy: FromHeadMap, fingerprint: dict) -> HeadMap:

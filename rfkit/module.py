@@ -213,7 +213,7 @@ class RecurFormerModule(L.LightningModule):
         Lightning loads the trained weights into this architecture next."""
         from rfkit.checkpointing import read_meta
 
-        meta = self.check_checkpoint(path, meta or read_meta(path))
+        meta = meta or self.check_checkpoint(path, read_meta(path))  # the trainer has checked the meta it passes
         head_map = HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")
         model = self._load_base()
         head_map.check_layout(AttentionLayout.from_config(model.config), "--ckpt_path", str(path))

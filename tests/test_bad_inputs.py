@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import rfkit.module  # noqa: F401  (imported before any test replaces rfkit.convert.load_base_model)
-from test_cli import run_cli, tiny_args
+from test_cli import SMOLLM, run_cli, tiny_args
 
 ERROR = "rfkit: error: "
 
@@ -33,14 +33,14 @@ def listing(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
 
 
-def assert_one_line(code: int, out: str, err: str, *words: str) -> str:
+def assert_one_line(code: int, out: str, err: str, *words: str, prefix: str = ERROR) -> str:
     """Exit code 2, exactly one non-empty stderr line (the error), no traceback, ``words`` in it."""
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (code, err)
     assert "Traceback" not in out + err, err
     assert len(lines) == 1, err
     line = lines[0]
-    assert line.startswith(ERROR), line
+    assert line.startswith(prefix), line
     for word in words:
         assert word in line, (word, line)
     return line
@@ -304,13 +304,16 @@ def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     runs = tmp_path / "runs"
     base = tiny_args(tiny_model_dir, tiny_corpus, runs)
+    recipe = tmp_path / "missing_model.yaml"  # a recipe read by `rfkit bench` (its own parser, then the recipe's)
+    recipe.write_text(Path(SMOLLM).read_text().replace("embedded:smollm2-135m-instruct", str(tmp_path / "no-model")))
     calls = {
-        "download": [*base, "--model.base_model", "someorg/tiny-llama"],
-        "type": [*base, "--data.batch_size", "[2]"],
+        "download": ["fit", *base, "--model.base_model", "someorg/tiny-llama"],
+        "type": ["fit", *base, "--data.batch_size", "[2]"],
+        "bench": ["bench", "cache", "--model", str(recipe), "--json", str(tmp_path / "bench.json")],
     }
     before = listing(tmp_path)
     procs = {
-        name: subprocess.Popen([str(exe), "fit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        name: subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=tmp_path, env=env)  # fmt: skip
         for name, args in calls.items()
     }
@@ -320,8 +323,9 @@ def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
         words = {
             "download": ["model.base_model: the download of 'someorg/tiny-llama' is incomplete", "rerun online"],
             "type": ["data.batch_size: expected an integer, got [2]"],
+            "bench": ["model.base_model: path", "does not exist"],
         }[name]
-        assert_one_line(proc.returncode, out, err, *words)
+        assert_one_line(proc.returncode, out, err, *words, prefix="rfkit bench: error: " if name == "bench" else "rfkit: error: ")
     assert not runs.exists() and listing(tmp_path) == before
 
 
