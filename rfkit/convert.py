@@ -82,7 +82,7 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     to reuse the cached profile only if every one of them finds it (a cache that is not on
     shared storage may exist on one node only), profile together otherwise (see
     :func:`rfkit.profile.profile_heads`), and only global rank 0 writes the cache file."""
-    from rfkit.profile import collective_device, dist_rank_world
+    from rfkit.profile import _all_reduce, collective_device, dist_rank_world
 
     settings = policy.profile_settings()
     if settings is None:
@@ -95,8 +95,8 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     rank, world = dist_rank_world()
     found = reuse and path.exists()
     if reuse and world > 1:  # one decision for all ranks, or they would not meet in profile_heads
-        flag = torch.tensor([int(found)], device=collective_device(next(model.parameters()).device))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        device = collective_device(next(model.parameters()).device)
+        (flag,) = _all_reduce([torch.tensor([int(found)])], device, torch.distributed.ReduceOp.MIN)
         found = bool(flag.item())
     if found:
         log.info("reusing head profile %s", path)

@@ -222,7 +222,6 @@ def _not_utf8(path: Path, err: UnicodeDecodeError) -> SourceError:
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[Document]:
-    lineno = 0
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -394,8 +393,8 @@ class ResumableShuffle(DistributedSampler):
 
     Epoch ``e`` gets the order a ``DataLoader(shuffle=True, generator=seeded)`` gives in its
     ``e``-th pass (so runs made before this sampler train on the same batches), but as a function
-    of (seed, epoch) alone,
-    so a process that starts in epoch 3 (a resumed run) sees epoch 3's order. Lightning calls
+    of (seed, epoch) alone, so a process that starts in epoch 3 (a resumed run) sees epoch 3's
+    order. Lightning calls
     :meth:`set_epoch` at every epoch start. Under DDP (``num_replicas`` > 1) rank ``r`` takes
     every ``num_replicas``-th index of the permutation from ``r`` (the tail that does not divide
     evenly is dropped); as a ``DistributedSampler`` it is kept as it is by Lightning.
@@ -505,6 +504,7 @@ class TextDataModule(L.LightningDataModule):
         self._tokenizer = None
         self._all_blocks: dict[str, torch.Tensor] | None = None
         self._documents: dict[str, int] = {}
+        self._resume: tuple[int, int] | None = None  # (epoch, batches) for the next training loader
         self.check()
         self.save_hyperparameters()
 
@@ -779,7 +779,7 @@ class TextDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = ResumableShuffle(dataset, self.seed, self.batch_size, num_replicas=replicas, rank=rank)
-        if getattr(self, "_resume", None) is not None:
+        if self._resume is not None:
             sampler.resume_at(*self._resume)
             self._resume = None
         return sampler

@@ -111,8 +111,9 @@ def model_config(spec: str):
 
 def max_context(config) -> int | None:
     """The longest input the model was built for (``max_position_embeddings``), if it says."""
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if value else None
+    from rfkit.hub import context_length
+
+    return context_length(config.to_dict())
 
 
 def check_lengths_fit(lengths: list[int], config, flag: str, extra: int = 0) -> None:
