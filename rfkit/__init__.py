@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from rfkit import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
 from rfkit.errors import RFKitError  # noqa: E402
 from rfkit.operators import (  # noqa: E402
+    HybridOperator,
     MambaOperator,
     ReplacementOperator,
     SinkRecentOperator,
@@ -29,6 +30,7 @@ __all__ = [
     "ExplicitHeads",
     "FromHeadMap",
     "HeadSelectionPolicy",
+    "HybridOperator",
     "LayerwisePolicy",
     "MambaOperator",
     "RFKitError",

@@ -215,14 +215,26 @@ class RecurFormerAttention(nn.Module):
             empty = values.new_zeros(B, 0, L, hd)
             past_key_values.update(empty, empty, self.layer_idx)
             _count_headless_tokens(past_key_values, self.layer_idx)
-        mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
-        if self.mixer_reads_qk:
-            mq = self.mq_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
-            mk = self.mk_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
-            mq, mk = apply_rotary_pos_emb(mq, mk, *position_embeddings)
-            mixer_in = torch.cat([mq.transpose(1, 2).reshape(B, L, -1), mk.transpose(1, 2).reshape(B, L, -1), mixer_in], dim=-1)
+        mixer_in = self.mixer_input(hidden_states, position_embeddings, values)
         outputs.append(self._mix(mixer_in, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
+
+    def mixer_input(self, hidden_states: torch.Tensor, position_embeddings, values: torch.Tensor | None = None) -> torch.Tensor:
+        """What the mixer reads (B, L, d_in): the replaced heads' KV-head values, preceded for
+        ``qkv`` operators by their rotated queries and keys. ``values`` (B, L, Hkv, hd) are all KV
+        heads' values when the caller has them already. Attention transfer calls this on the
+        original model's hidden states, so a mixer is fitted on exactly what it will be fed."""
+        B, L, _ = hidden_states.shape
+        hd = self.head_dim
+        if values is None:
+            values = self.v_proj(hidden_states).view(B, L, -1, hd)
+        mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        if not self.mixer_reads_qk:
+            return mixer_in
+        mq = self.mq_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+        mk = self.mk_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+        mq, mk = apply_rotary_pos_emb(mq, mk, *position_embeddings)
+        return torch.cat([mq.transpose(1, 2).reshape(B, L, -1), mk.transpose(1, 2).reshape(B, L, -1), mixer_in], dim=-1)
 
     def _index(self, name: str, device) -> torch.Tensor:
         key = (name, device)

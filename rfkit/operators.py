@@ -233,14 +233,17 @@ class SlidingWindowOperator(ReplacementOperator):
         return {"window": self.window}
 
     def build(self, d_in: int, d_out: int, layer_idx: int, kv_for_query=None, head_dim=None, scaling=None) -> nn.Module:
-        from rfkit.window import WindowAttention
-
         if kv_for_query is None or head_dim is None:
             raise OperatorError(f"{type(self).__name__} reads queries and keys: build it through a converted layer")
-        block = WindowAttention(kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling)
+        block = self.make_block(kv_for_query, head_dim, scaling)
         if (block.d_in, block.d_out) != (d_in, d_out):
             raise OperatorError(f"{type(self).__name__}: widths ({d_in}, {d_out}) do not match {len(kv_for_query)} heads of {head_dim}")
         return block
+
+    def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
+        from rfkit.window import WindowAttention
+
+        return WindowAttention(kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling)
 
 
 class SinkRecentOperator(SlidingWindowOperator):
@@ -263,3 +266,47 @@ class SinkRecentOperator(SlidingWindowOperator):
     def init_args(self) -> dict:
         return {"sink": self.sink, "window": self.window}
 
+
+
+class HybridOperator(SinkRecentOperator):
+    """Replaced heads keep exact softmax attention over ``sink`` first and ``window`` recent tokens
+    and add a learned linear-attention state for the tokens that left the window, under the same
+    softmax normaliser (:class:`rfkit.hybrid.HybridWindowAttention`). The state's gate starts
+    closed, so the freshly converted model *is* the training-free ``SinkRecentOperator(sink,
+    window)`` model; attention transfer and distillation then train the feature maps and gates.
+
+    Cache: the sink + window K/V plus ``feature_dim * (head_dim + 1)`` numbers per replaced KV
+    head. With head_dim 64, ``feature_dim=16`` costs about 8 tokens of K/V: ``sink=4, window=56,
+    feature_dim=16`` holds the bytes of ``sink_recent(sink=4, window=64)`` (+64 bytes), and
+    ``sink=4, window=8, feature_dim=16`` those of the default Mamba block.
+
+    Args:
+        sink: Leading tokens attended exactly.
+        window: Recent tokens attended exactly, the current one included.
+        feature_dim: Width of the feature map (even, >= 2).
+        window_dropout: Probability that a training forward shortens the window (to between
+            ``window // 4`` and ``window``), so the state must learn to carry what the window
+            drops. 0 turns it off.
+    """
+
+    trainable = True
+
+    def __init__(self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5):
+        super().__init__(sink=sink, window=window)
+        if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 2 or feature_dim % 2:
+            raise OperatorError(f"model.operator.feature_dim: {feature_dim!r} is not allowed; must be an even integer >= 2")
+        self.feature_dim = feature_dim
+        if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0 <= window_dropout <= 1:
+            raise OperatorError(f"model.operator.window_dropout: {window_dropout!r} is not allowed; must be a number in [0, 1]")
+        self.window_dropout = float(window_dropout)
+
+    def init_args(self) -> dict:
+        return {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}
+
+    def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
+        from rfkit.hybrid import HybridWindowAttention
+
+        return HybridWindowAttention(
+            kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
+            feature_dim=self.feature_dim, window_dropout=self.window_dropout,
+        )  # fmt: skip

@@ -25,6 +25,7 @@ OPERATOR_ALIASES = {
     "mamba": "rfkit.operators.MambaOperator",
     "sliding_window": "rfkit.operators.SlidingWindowOperator",
     "sink_recent": "rfkit.operators.SinkRecentOperator",
+    "hybrid": "rfkit.operators.HybridOperator",
 }
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(?:\((.*)\))?\s*$", re.S)

@@ -94,9 +94,11 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
     """Inputs and targets of every converted layer's block, from the original model.
 
     ``model`` is a converted model with ``rf_originals``; the original runs through
-    :class:`rfkit.teacher.SharedTeacher`. Returns ``{layer: (values, target)}`` with values
-    ``(N, L, d_in)`` (the mixer KV heads' values) and target ``(N, L, d_out)`` (the replaced
-    heads' attention outputs before ``W_O``, in the block's output order), on the CPU in float32.
+    :class:`rfkit.teacher.SharedTeacher`. Returns ``{layer: (inputs, target)}`` with inputs
+    ``(N, L, d_in)`` (what the block reads, computed from the original layer's hidden states by
+    ``RecurFormerAttention.mixer_input``: the mixer KV heads' values, for ``qkv`` operators with
+    the rotated queries and keys before them) and target ``(N, L, d_out)`` (the replaced heads'
+    attention outputs before ``W_O``, in the block's output order), on the CPU in float32.
     """
     from tqdm.auto import tqdm
 
@@ -109,19 +111,19 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
     for i, original in teacher.originals.items():
         new = layers[i].self_attn
         hd = new.head_dim
-        kv = torch.tensor(new.mixer_kv_heads)
         heads = torch.tensor(new.replaced_heads)
 
-        def on_values(_mod, _inp, out, i=i, kv=kv, hd=hd):
-            b, length, _ = out.shape
-            store[i][0].append(out.view(b, length, -1, hd)[:, :, kv].reshape(b, length, -1).float().cpu())
+        def on_input(_mod, args, kwargs, i=i, new=new):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            x = new.mixer_input(hidden, kwargs.get("position_embeddings"))
+            store[i][0].append(x.float().cpu())
 
         def on_attention(_mod, args, i=i, heads=heads, hd=hd):
             x = args[0]
             b, length, _ = x.shape
             store[i][1].append(x.view(b, length, -1, hd)[:, :, heads].reshape(b, length, -1).float().cpu())
 
-        hooks.append(original.v_proj.register_forward_hook(on_values))
+        hooks.append(original.register_forward_pre_hook(on_input, with_kwargs=True))
         hooks.append(original.o_proj.register_forward_pre_hook(on_attention))
     device = next(model.parameters()).device
     try:
@@ -137,16 +139,20 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
 # -- training ----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(mixers: dict[int, nn.Module], data, batch_size: int = 4) -> dict[int, float]:
-    """Relative MSE of every layer's block on the captured data."""
+    """Relative MSE of every layer's block on the captured data (blocks in eval mode: no
+    training-only randomness such as window dropout)."""
     out = {}
     for i, mixer in mixers.items():
         values, target = data[i]
         device = next(mixer.parameters()).device
+        was_training = mixer.training
+        mixer.eval()
         err, power = 0.0, 0.0
         for s in range(0, len(values), batch_size):
             pred = mixer(values[s : s + batch_size].to(device)).float().cpu()
             err += float((pred - target[s : s + batch_size]).pow(2).sum())
             power += float(target[s : s + batch_size].pow(2).sum())
+        mixer.train(was_training)
         out[i] = err / max(power, 1e-12)
     return out
 
@@ -251,8 +257,12 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
     for m in mixers.values():
         m.train()
     before = evaluate(mixers, data, config.batch_size)
-    if config.readout == "lstsq":
-        for i, mixer in mixers.items():
+    start_weights = {i: {k: v.detach().clone() for k, v in m.state_dict().items()} for i, m in mixers.items()}
+    calibration = {}
+    for i, mixer in mixers.items():
+        if hasattr(mixer, "calibrate"):  # hybrid blocks: scale the state's weights, open the gate
+            calibration[str(i)] = mixer.calibrate(data[i][0][: config.batch_size].to(next(mixer.parameters()).device))
+        elif config.readout == "lstsq" and hasattr(mixer, "out_proj"):
             solve_readout(mixer, *data[i], ridge=config.ridge, batch_size=config.batch_size)
     after_readout = evaluate(mixers, data, config.batch_size)
     deadline = None if config.time_limit is None else started + config.time_limit
@@ -263,6 +273,12 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
         }
     losses = train_blocks(mixers, data, config, progress=progress, deadline=deadline, projections=projections)
     after = evaluate(mixers, data, config.batch_size)
+    kept_start = []
+    for i, mixer in mixers.items():  # never leave a block worse than it started
+        if after[i] > before[i]:
+            mixer.load_state_dict(start_weights[i])
+            after[i] = before[i]
+            kept_start.append(i)
     for i, m in mixers.items():
         m.train(was_training[i])
     report = {
@@ -273,6 +289,8 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
         "mse_after": {str(i): after[i] for i in sorted(mixers)},
         "mean_mse_before": sum(before.values()) / len(before),
         "mean_mse_after": sum(after.values()) / len(after),
+        "kept_start": kept_start,
+        **({"calibration": calibration} if calibration else {}),
         "losses": losses,
         "steps_run": len(losses),
         "samples": int(len(blocks)),

@@ -93,28 +93,59 @@ class WindowAttention(nn.Module):
             self._gather[key] = torch.tensor(self.kv_for_query, dtype=torch.long, device=t.device)
         return t.index_select(1, self._gather[key])
 
+    def _ranks(self, seen: torch.Tensor, real: torch.Tensor):
+        """Ranks (index among the sequence's real tokens, -1 where there is none) of the chunk's
+        tokens ``(B, L)``, of the sink slots ``(B, s)`` and of the recent slots ``(B, w)``."""
+        s, w = self.sink, self.window
+        rank = torch.where(real, seen[:, None] + real.long().cumsum(1) - 1, -1)
+        slots = torch.arange(max(s, w), device=real.device)
+        sink_rank = torch.where(slots[None, :s] < seen[:, None], slots[None, :s], -1)
+        rec_rank = seen[:, None] - w + slots[None, :w]
+        return rank, sink_rank, torch.where(rec_rank >= 0, rec_rank, -1)
+
+    def _visible(self, q_rank: torch.Tensor, key_rank: torch.Tensor, window: int) -> torch.Tensor:
+        """(B, L, S) bool: query of rank r sees key of rank j <= r with r - j < window or j < sink.
+        Rows with no visible key (pad queries) see every key; their output is zeroed later."""
+        qr, kr = q_rank[:, :, None], key_rank[:, None, :]
+        allowed = (kr >= 0) & (kr <= qr) & ((qr - kr < window) | (kr < self.sink))
+        return allowed | ~allowed.any(-1, keepdim=True)
+
+    def _window_keys(self, state, k: torch.Tensor, v: torch.Tensor, rank, sink_rank, rec_rank):
+        """Keys, values and ranks the chunk's queries may attend to: sink slots, recent slots
+        (those of rank below ``sink`` are hidden: the sink buffer holds them), chunk tokens."""
+        sink_k, sink_v, rec_k, rec_v = state[:4]
+        rec_visible = torch.where(rec_rank >= self.sink, rec_rank, -1)
+        keys = torch.cat([sink_k, rec_k, k], dim=2)
+        values = torch.cat([sink_v, rec_v, v], dim=2)
+        return keys, values, torch.cat([sink_rank, rec_visible, rank], dim=1)
+
+    def _next_window_state(self, state, k, v, rank, sink_rank, rec_rank, real):
+        """The sink + recent state after the chunk."""
+        sink_k, sink_v, rec_k, rec_v, seen = state[:5]
+        s, w = self.sink, self.window
+        B = k.shape[0]
+        slots = torch.arange(max(s, w), device=k.device)
+        new_seen = seen + real.long().sum(1)
+        new_sink_k, new_sink_v = self._pick(
+            torch.cat([sink_rank, rank], 1), torch.cat([sink_k, k], 2), torch.cat([sink_v, v], 2), slots[None, :s].expand(B, s)
+        )
+        target = new_seen[:, None] - w + slots[None, :w]
+        new_rec_k, new_rec_v = self._pick(torch.cat([rec_rank, rank], 1), torch.cat([rec_k, k], 2), torch.cat([rec_v, v], 2), target)
+        return new_sink_k, new_sink_v, new_rec_k, new_rec_v, new_seen
+
+    def _real(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, L = x.shape[:2]
+        return torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask.to(torch.bool)
+
     def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
         B, L, _ = x.shape
         q, k, v = self._split(x)
         if not state:
             state = self.empty_state(B, x.device, k.dtype)
-        sink_k, sink_v, rec_k, rec_v, seen = state
-        s, w = self.sink, self.window
-        real = torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask.to(torch.bool)
-        # rank of every chunk token among the sequence's real tokens; -1 for padding
-        rank = torch.where(real, seen[:, None] + real.long().cumsum(1) - 1, -1)
-        slots = torch.arange(max(s, w), device=x.device)
-        sink_rank = torch.where(slots[None, :s] < seen[:, None], slots[None, :s], -1)
-        rec_rank = seen[:, None] - w + slots[None, :w]
-        rec_rank = torch.where(rec_rank >= 0, rec_rank, -1)
-        rec_visible = torch.where(rec_rank >= s, rec_rank, -1)  # the sink buffer holds ranks < s
-
-        keys = torch.cat([sink_k, rec_k, k], dim=2)
-        values = torch.cat([sink_v, rec_v, v], dim=2)
-        key_rank = torch.cat([sink_rank, rec_visible, rank], dim=1)  # (B, s + w + L)
-        qr, kr = rank[:, :, None], key_rank[:, None, :]
-        allowed = (kr >= 0) & (kr <= qr) & ((qr - kr < w) | (kr < s))
-        allowed = allowed | ~allowed.any(-1, keepdim=True)  # pad rows: any key, output zeroed below
+        real = self._real(x, mask)
+        rank, sink_rank, rec_rank = self._ranks(state[4], real)
+        keys, values, key_rank = self._window_keys(state, k, v, rank, sink_rank, rec_rank)
+        allowed = self._visible(rank, key_rank, self.window)
         out = F.scaled_dot_product_attention(
             q, self._per_query(keys), self._per_query(values), attn_mask=allowed[:, None], scale=self.scaling
         )
@@ -122,13 +153,7 @@ class WindowAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, L, self.d_out)
         if not return_states:
             return out
-        new_seen = seen + real.long().sum(1)
-        new_sink_k, new_sink_v = self._pick(
-            torch.cat([sink_rank, rank], 1), torch.cat([sink_k, k], 2), torch.cat([sink_v, v], 2), slots[None, :s].expand(B, s)
-        )
-        target = new_seen[:, None] - w + slots[None, :w]
-        new_rec_k, new_rec_v = self._pick(torch.cat([rec_rank, rank], 1), torch.cat([rec_k, k], 2), torch.cat([rec_v, v], 2), target)
-        return out, (new_sink_k, new_sink_v, new_rec_k, new_rec_v, new_seen)
+        return out, self._next_window_state(state, k, v, rank, sink_rank, rec_rank, real)
 
     @staticmethod
     def _pick(ranks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor):
