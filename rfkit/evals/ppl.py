@@ -2,7 +2,8 @@
 
     rfkit eval ppl --model DIR|RECIPE [--original] [--source embedded:wikipedia-en]
                    [--mode blocks|sliding] [--block-size 512] [--stride 256]
-                   [--max-documents N] [--min-tokens N] [--val-blocks N] [--json OUT]
+                   [--max-documents N] [--min-tokens N] [--val-blocks N] [--split CAL VAL]
+                   [--json OUT]
 
 The held-out documents are the validation split of ``rfkit.data``: documents are assigned to
 calibration / validation / train by a hash of their title (``data.split`` fractions), so the
@@ -21,9 +22,18 @@ document's first is scored exactly once, and after the first window each token h
 single forward pass. Documents with fewer than ``--min-tokens`` tokens are skipped.
 
 Data settings not given on the command line (``--source``, ``--block-size``, ``--val-blocks``,
-and the split fractions and text field) come from the recipe's ``data`` section, or from the
-``data`` record of a converted directory's ``head_map.json``, else the ``TextDataModule``
-defaults (``embedded:wikipedia-en``, 512 tokens, 64 validation blocks, split 0.05/0.05).
+``--split``, and the text field) come from the recipe's ``data`` section, or from the ``data``
+record of a converted directory's ``head_map.json``, else the ``TextDataModule`` defaults
+(``embedded:wikipedia-en``, 512 tokens, 64 validation blocks, the source's default split:
+0.05/0.05).
+
+Long documents: ``--source embedded:shakespeare`` (39 works of Shakespeare, 23,000 to 55,000
+tokens each) has a default split of its own, 0.10/0.15, which holds out 6 works (about 230,000
+tokens). When ``--source`` switches to it from the recipe's or head map's source, the recorded
+split and validation block count (chosen for that other source) are replaced by its defaults:
+split 0.10/0.15 and 64 blocks, unless ``--split`` / ``--val-blocks`` are given. So
+``rfkit eval ppl --model DIR --source embedded:shakespeare --block-size 2048`` scores 64 blocks
+from 4 of the held-out works, and ``--block-size 8192`` all 28 blocks of the 6 works.
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ def sliding_window_nll(model, ids, block_size: int, stride: int) -> tuple[float,
 def data_settings(args) -> dict:
     """Source, tokenizer, block size, validation blocks, split and text field to evaluate with:
     the flags, else the recipe's / head map's data settings, else the TextDataModule defaults."""
-    from rfkit.data import TextDataModule, source_kind
+    from rfkit.data import DEFAULT_SPLIT, TextDataModule, default_split, source_kind
     from rfkit.hub import is_embedded, looks_like_path
     from rfkit.loading import check_model_spec
 
@@ -125,14 +135,21 @@ def data_settings(args) -> dict:
         "source": defaults["source"],
         "seq_len": defaults["seq_len"],
         "val_blocks": defaults["val_blocks"],
-        "split": list(defaults["split"]),
+        "split": None,  # the source's default, below
         "text_field": defaults["text_field"],
         "hf_split": defaults["hf_split"],
         "hf_max_documents": defaults["hf_max_documents"],
     }
     settings.update(found)
-    if args.source is not None:
+    if args.source is not None and args.source != settings["source"]:
         settings["source"] = args.source
+        if default_split(args.source) != DEFAULT_SPLIT:
+            # long documents: the recorded split and block count were chosen for the recorded source
+            settings.update(split=None, val_blocks=defaults["val_blocks"])
+    if settings["split"] is None:
+        settings["split"] = list(default_split(settings["source"]))
+    if args.split is not None:
+        settings["split"] = list(args.split)
     if args.block_size is not None:
         settings["seq_len"] = args.block_size
     if args.val_blocks is not None:
@@ -228,6 +245,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-documents", type=int, default=None, help="sliding mode: evaluate at most this many held-out documents")
     parser.add_argument("--min-tokens", type=int, default=2, help="sliding mode: skip documents with fewer tokens")
     parser.add_argument("--val-blocks", type=int, default=None, help="blocks mode: validation blocks (default: the data's val_blocks, else 64)")
+    parser.add_argument(
+        "--split", type=float, nargs=2, metavar=("CAL", "VAL"), default=None,
+        help="calibration and validation fractions of the documents (default: the data's split, else the source's default)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=4, help="blocks mode: blocks per forward")
 
 
@@ -239,6 +260,8 @@ def validate(args) -> None:
     positive_int(args, "stride")
     positive_int(args, "min_tokens", minimum=0)
     positive_int(args, "batch_size")
+    if args.split is not None and not (all(0 < x < 1 for x in args.split) and sum(args.split) < 1):
+        raise EvalError(f"--split: fractions must each be > 0 and sum to < 1 (the rest is train), got {args.split}")
     if args.block_size is not None and args.stride > args.block_size and args.mode == "sliding":
         raise EvalError(f"--stride: must be <= --block-size ({args.block_size}), got {args.stride}")
     check_model_arguments(args)
