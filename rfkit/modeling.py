@@ -175,8 +175,12 @@ class RecurFormerAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        # earlier transformers 5 releases pass the cache to attention as ``past_key_values``,
+        # 5.24 as ``cache``: accept both
+        past_key_values = cache if cache is not None else past_key_values
         # (B, L) token mask of this chunk, set by the converted CausalLM only when it holds padding;
         # popped so that the attention interface never sees it.
         token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
