@@ -35,6 +35,7 @@ State, per layer: the window's ``(sink_k, sink_v, recent_k, recent_v, seen)`` pl
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -45,6 +46,8 @@ from rfkit.window import WindowAttention
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
 # negative cannot overflow the old tokens' weight.
 _MIN_MAX_SCORE = -60.0
+# Longer chunks are processed in sub-chunks of this many tokens (scores are L x (window + L)).
+PREFILL_CHUNK = 1024
 
 
 class HybridWindowAttention(WindowAttention):
@@ -118,16 +121,30 @@ class HybridWindowAttention(WindowAttention):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
-        out, parts = self._attend(x, state, mask, self._train_window(), return_states)
+        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]. A chunk longer than
+        ``PREFILL_CHUNK`` tokens runs as consecutive sub-chunks that carry the state (the same
+        result: the state is exact), so memory stays linear in L instead of L x L."""
+        window = self._train_window()  # one window for the whole forward
+        L = x.shape[1]
+        if L <= PREFILL_CHUNK:
+            return self._forward_chunk(x, state, mask, window, return_states)
+        outs = []
+        for start in range(0, L, PREFILL_CHUNK):
+            part = slice(start, start + PREFILL_CHUNK)
+            y, state = self._forward_chunk(x[:, part], state, None if mask is None else mask[:, part], window, True)
+            outs.append(y)
+        y = torch.cat(outs, 1)
+        return (y, state) if return_states else y
+
+    def _forward_chunk(self, x, state, mask, window: int, return_states: bool):
+        out, parts = self._attend(x, state, mask, window, return_states)
         A, Z, a, zl, m = parts
         g = self.old_weight().to(A.dtype)[None, :, None, None] * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
         y = (A + g * a) / (Z + g * zl)  # (B, Hq, L, hd)
         B, L = x.shape[:2]
         y = y * out["real"][:, None, :, None].to(y.dtype)
         y = y.transpose(1, 2).reshape(B, L, self.d_out)
-        if not return_states:
-            return y
-        return y, out["state"]
+        return (y, out["state"]) if return_states else y
 
     def _attend(self, x, state, mask, window: int, with_state: bool):
         """Window part (A, Z, m), linear part (a, zl) and, when needed, the next state."""
@@ -203,3 +220,20 @@ class HybridWindowAttention(WindowAttention):
         self.log_scale.copy_(torch.tensor(logs, dtype=self.log_scale.dtype))
         self.gate.fill_(1.0)
         return {"log_scale": logs, "old_share": share}
+
+
+@contextlib.contextmanager
+def state_off(model: nn.Module):
+    """Within the block, every hybrid block of ``model`` runs with its gate closed: its trained
+    window alone, the ablation that shows what the state adds (the cache is unchanged)."""
+    blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
+    saved = [b.gate.detach().clone() for b in blocks]
+    try:
+        with torch.no_grad():
+            for b in blocks:
+                b.gate.zero_()
+        yield len(blocks)
+    finally:
+        with torch.no_grad():
+            for b, g in zip(blocks, saved):
+                b.gate.copy_(g)

@@ -102,6 +102,26 @@ def test_prefill_chunks_and_steps_equal_one_forward_in_float64():
     assert sum(t.numel() * t.element_size() for t in state) == block.state_bytes(2, torch.float64)
 
 
+def test_long_chunks_run_in_sub_chunks_with_the_same_result(monkeypatch):
+    """A chunk longer than PREFILL_CHUNK runs as sub-chunks carrying the state (memory linear in
+    L): outputs, padding and the final state equal the one-piece forward."""
+    import rfkit.hybrid
+
+    q, k, v = random_qkv(length=29, seed=8)
+    x = packed(q, k, v)
+    mask = torch.ones(2, 29, dtype=torch.long)
+    mask[1, :6] = 0  # left padding that spans a sub-chunk boundary
+    block = open_block()
+    with torch.no_grad():
+        full, state = block(x, return_states=True, mask=mask)
+        monkeypatch.setattr(rfkit.hybrid, "PREFILL_CHUNK", 4)
+        split, split_state = block(x, return_states=True, mask=mask)
+        assert torch.equal(block(x, mask=mask), split)
+    torch.testing.assert_close(split, full, rtol=1e-12, atol=1e-12)
+    for a, b in zip(split_state, state):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_left_padding_leaves_the_state_of_the_unpadded_prompt():
     q, k, v = random_qkv(batch=1, length=12, seed=5)
     x = packed(q, k, v)
