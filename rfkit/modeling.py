@@ -364,11 +364,12 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
             if chunk_mask is not None:
                 kwargs[TOKEN_MASK_KWARG] = chunk_mask
+            if past_key_values is not None:  # only when given: transformers 5.24 warns on the old name
+                kwargs["past_key_values"] = past_key_values
             return super().forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -389,10 +390,11 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
             does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
             ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
+            if past_key_values is not None:  # only when given: transformers 5.24 passes `cache`
+                kwargs["past_key_values"] = past_key_values
             inputs = super().prepare_inputs_for_generation(
                 input_ids,
                 next_sequence_length=next_sequence_length,
-                past_key_values=past_key_values,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
                 is_first_iteration=is_first_iteration,
