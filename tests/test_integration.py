@@ -52,10 +52,12 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     assert summary["cache_bytes_per_token_original"] == 30 * 3 * 2 * 64 * 4
     assert summary["cache_bytes_per_token_converted"] == 30 * 3 * 2 * 64 * 4 / 2
     assert summary["params_removed"] > 0 and summary["params_added"] > 0
-    # the recipe's attention transfer ran on the real model and lowered every layer's error
+    # the recipe's attention transfer ran on the real model: it starts from the sink + recent
+    # heads (a small error, not the silent block's 1.0) and ends no worse in any layer
     transfer = summary["transfer"]
-    assert transfer["mean_mse_before"] == pytest.approx(1.0)
-    assert all(transfer["mse_after"][k] < transfer["mse_before"][k] for k in transfer["mse_before"])
+    assert 0 < transfer["mean_mse_before"] < 0.5
+    assert all(transfer["mse_after"][k] <= transfer["mse_before"][k] for k in transfer["mse_before"])
+    assert transfer["mean_mse_after"] < transfer["mean_mse_before"]
 
     run = summary_path.parent
     head_map = json.loads((run / "head_map.json").read_text())
@@ -87,10 +89,10 @@ def test_smollm2_decoding_through_the_hybrid_cache(smollm2_run):
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_run / "model")).eval()
     tok = AutoTokenizer.from_pretrained(str(smollm2_run / "model"))
     assert any(
-        layer.self_attn.mixer.out_proj.weight.abs().max() > 0
+        layer.self_attn.mixer.old_weight().max() > 0
         for layer in model.model.layers
         if hasattr(layer.self_attn, "mixer")
-    ), "the mixers are silent, the checks below would not see them"
+    ), "the hybrid states are closed, the checks below would not see them"
     ids = tok("The river flows through the old city and", return_tensors="pt").input_ids
     with torch.no_grad():
         full = model(ids).logits

@@ -36,7 +36,8 @@ def test_describe_reads_model_policy_and_operator_from_the_yaml():
     info = catalog.describe("smollm2_b05.yaml")
     assert info["name"] == "smollm2_b05" and info["kind"] == "fit"
     assert info["base_model"] == "embedded:smollm2-135m-instruct" and info["beta"] == 0.5
-    assert info["policy"] == "RecencyRatioPolicy" and info["operator"] == "MambaOperator"
+    assert info["policy"] == "RecencyRatioPolicy" and info["operator"] == "HybridOperator"
+    assert catalog.describe("smollm2_mamba_b05")["operator"] == "MambaOperator"  # the paper's own operator
     assert catalog.describe("llama2_b09")["base_model"] == "meta-llama/Llama-2-7b-hf"
     mqar = catalog.describe("mqar_smoke")
     assert mqar["kind"] == "eval mqar" and mqar["beta"] is None and mqar["betas"] == [0, 0.25, 0.5, 0.75, 1.0]
