@@ -1,6 +1,6 @@
 """Quality benchmark: how close each conversion method gets to the original in the same CPU time.
 
-    python benchmarks/quality.py [--config recipes/smollm2_b05.yaml] [--betas 0.25,0.5,0.75]
+    python benchmarks/quality.py [--config recipes/smollm2_mamba_b05.yaml] [--betas 0.25,0.5,0.75]
         [--methods baseline,transfer,transfer_kd,transfer_kd_lora] [--budget 180]
         [--val-blocks 16] [--output benchmarks/results/quality_smollm2]
 
@@ -38,7 +38,7 @@ METHODS = ("baseline", "transfer", "transfer_kd", "transfer_kd_lora", "fa_transf
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="recipes/smollm2_b05.yaml")
+    p.add_argument("--config", default="recipes/smollm2_mamba_b05.yaml")
     p.add_argument("--betas", default="0.25,0.5,0.75")
     p.add_argument("--methods", default=",".join(METHODS[:4]))
     p.add_argument("--space", default="heads", choices=("heads", "output"), help="transfer loss space")

@@ -3,7 +3,8 @@
 
     rfkit sweep --config recipes/smollm2_b05.yaml --betas 0,0.25,0.5,0.75,0.9,1.0
                 [--operators mamba,sliding_window(window=16),sink_recent(sink=4,window=16)]
-                [--policies recipe,random,layerwise] [--transfer]
+                [--policies recipe,random,layerwise] [--transfer] [--trained DIR,DIR]
+                [--long embedded:shakespeare] [--long-lengths 2048,8192] [--long-blocks 8]
                 [--output DIR] [--val-blocks N] [--cache-length 1024] [--fit] [--device cpu]
                 [recipe overrides such as --data.val_blocks 8 --trainer.max_steps 10]
 
@@ -27,8 +28,23 @@ block is measured after its layer-local fit rather than silent. With ``--fit`` e
 the recipe's whole ``rfkit fit`` on the sweep's head map and operator (hours on CPU for real
 models).
 
+``--trained DIR,...`` adds converted models that ``rfkit fit`` saved (``runs/.../model``) as
+rows of their own, measured on the same blocks: this is how trained operators (which take a
+recipe of their own and minutes to hours of training each) sit next to the training-free ones in
+one table. Their beta and operator come from the directory's head map and config. A trained
+hybrid model (``HybridOperator``) gets a second row, ``... trained, state off``: the same model
+with its state's gates closed, so the difference is what the state carries from beyond the
+window, at the same cache bytes.
+
+``--long SOURCE`` also measures every row (and the original) on long documents: the validation
+documents of SOURCE (``embedded:shakespeare``: whole plays of 23,000 to 55,000 tokens) cut into
+``--long-blocks`` blocks of each of ``--long-lengths`` tokens. The recipe's validation blocks
+(Wikipedia summaries of ~150 tokens, packed into 512-token blocks) mostly cross document
+boundaries; long documents show what a state that outlives the window is worth.
+
 Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` (perplexity ratio against cache bytes per
-token, one line per policy x operator, one point per beta) into the output directory.
+token, one line per policy x operator, one point per beta; one panel per evaluation set) into
+the output directory.
 """
 
 from __future__ import annotations
@@ -70,6 +86,10 @@ def build_parser() -> _Parser:
     parser.add_argument("--policies", default="recipe", help="comma-separated policy specs (default: the recipe's)")
     parser.add_argument("--transfer", action="store_true", help="run the recipe's attention transfer on trainable operators")
     parser.add_argument("--fit", action="store_true", help="run the recipe's rfkit fit for every row (slow)")
+    parser.add_argument("--trained", default=None, help="comma-separated converted model directories (rfkit fit's model/) to add as rows")
+    parser.add_argument("--long", default=None, metavar="SOURCE", help="also measure on long documents from SOURCE, e.g. embedded:shakespeare")
+    parser.add_argument("--long-lengths", default="2048,8192", help="block lengths (tokens) for --long, comma-separated")
+    parser.add_argument("--long-blocks", type=int, default=8, help="validation blocks per length for --long")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return parser
 
@@ -111,9 +131,29 @@ def validate(args) -> None:
     args.config = resolve_config(args.config)  # a file, or a catalogue name such as smollm2_b05
     if check_model_spec(args.config, require_converted=False, flag="--config") != "recipe":
         raise SweepError(f"--config: '{args.config}' is a directory; give a recipe YAML")
-    for flag, value in (("--val-blocks", args.val_blocks), ("--cache-length", args.cache_length)):
+    for flag, value in (("--val-blocks", args.val_blocks), ("--cache-length", args.cache_length), ("--long-blocks", args.long_blocks)):
         if value is not None and value < 1:
             raise SweepError(f"{flag}: must be a positive integer, got {value}")
+    args.trained_dirs = [Path(p) for p in (args.trained or "").split(",") if p.strip()]
+    for path in args.trained_dirs:
+        if not (path / "head_map.json").is_file() or not (path / "config.json").is_file():
+            raise SweepError(f"--trained: '{path}' is not a converted model directory (no head_map.json and config.json)")
+    args.long_length_list = []
+    if args.long is not None:
+        from rfkit.data import TextDataModule
+
+        from rfkit.hub import SourceError
+
+        try:
+            TextDataModule(source=args.long)  # checks the source's name, no data read
+        except SourceError as err:
+            raise SweepError(f"--long: {str(err).removeprefix('data.source: ')}") from None
+        for part in (p.strip() for p in args.long_lengths.split(",") if p.strip()):
+            if not part.isdigit() or int(part) < 2:
+                raise SweepError(f"--long-lengths: '{part}' is not allowed; give block lengths in tokens (integers >= 2) like 2048,8192")
+            args.long_length_list.append(int(part))
+        if not args.long_length_list:
+            raise SweepError("--long-lengths: give at least one block length, like 2048,8192")
     args.torch_device = torch_device(args.device)
     out = Path(args.output or f"runs/sweep_{Path(args.config).stem}")
     if out.exists() and not out.is_dir():
@@ -179,18 +219,34 @@ def variants(module, policy_specs: str, operator_specs: str) -> tuple[list, list
     return policies, operators
 
 
-def measure(model, val_batches, cache_length: int, device, desc: str) -> dict:
+def long_sets(source: str, tokenizer: str, lengths: list[int], blocks: int) -> dict[str, list]:
+    """``{"shakespeare@2048": batches, ...}``: ``blocks`` validation blocks of each length from
+    the validation documents of ``source`` (its default split), one block per batch."""
+    from rfkit.data import TextDataModule
+
+    name = source.removeprefix("embedded:")
+    sets = {}
+    for length in lengths:
+        data = TextDataModule(source=source, tokenizer=tokenizer, seq_len=length, val_blocks=blocks, calibration_samples=1, batch_size=1)
+        data.setup("validate")
+        sets[f"{name}@{length}"] = [{"input_ids": block[None]} for block in data.validation]
+    return sets
+
+
+def measure(model, val_batches, cache_length: int, device, desc: str, long: dict | None = None) -> dict:
     """Validation perplexity and the cache after ``cache_length`` tokens (plus the analytic
-    per-token K/V bytes and constant state)."""
+    per-token K/V bytes and constant state); with ``long``, the perplexity on each of its sets."""
     from rfkit.bench import analytic_cache, cache_after_generation
     from rfkit.callbacks.perplexity import evaluate_perplexity
 
     model.to(device).eval()
     ppl = evaluate_perplexity(model, val_batches, desc=desc)
+    long_ppl = {name: evaluate_perplexity(model, batches, desc=f"{desc} {name}") for name, batches in (long or {}).items()}
     predicted = analytic_cache(model)
     held = cache_after_generation(model, prompt_len=1, gen_len=cache_length - 1, chunk=1024, seed=0, device=device)
     return {
         "ppl": ppl,
+        "long_ppl": long_ppl,
         "kv_bytes_per_token": predicted["kv_bytes_per_token"],
         "state_bytes": predicted["state_bytes"],
         "kept_kv_fraction": predicted["kept_kv_fraction"],
@@ -242,7 +298,8 @@ def run(args) -> dict:
     val = datamodule.validation if args.val_blocks is None else datamodule.validation[: args.val_blocks]
     val_batches = [{"input_ids": val[i : i + datamodule.batch_size]} for i in range(0, len(val), datamodule.batch_size)]
 
-    original = measure(base, val_batches, args.cache_length, device, "perplexity (original)")
+    long = long_sets(args.long, datamodule.tokenizer_name, args.long_length_list, args.long_blocks) if args.long else {}
+    original = measure(base, val_batches, args.cache_length, device, "perplexity (original)", long)
     several = len(policies) > 1 or len(operators) > 1
     jobs = [(p, o, beta) for p in policies for o in operators for beta in args.beta_list]
     rows = []
@@ -262,7 +319,7 @@ def run(args) -> dict:
             row.update(original, trained=False, note="no head replaced: the original model")
         elif args.fit:
             fitted = _fit(args.config, args.overrides, map_path, operator, out / tag)
-            row.update(measure(fitted["model"], val_batches, args.cache_length, device, desc))
+            row.update(measure(fitted["model"], val_batches, args.cache_length, device, desc, long))
             row.update(trained=True, summary=fitted["summary_path"])
             del fitted
         else:
@@ -272,13 +329,12 @@ def run(args) -> dict:
 
                 report = transfer(converted, datamodule.calibration, module.transfer_config)
                 row.update(transferred=True, transfer_mse=report["mean_mse_after"], transfer_seconds=report["seconds"])
-            row.update(measure(converted, val_batches, args.cache_length, device, desc))
+            row.update(measure(converted, val_batches, args.cache_length, device, desc, long))
             row["trained"] = False
             del converted
-        row["ppl_ratio"] = row["ppl"] / original["ppl"]
-        row["cache_ratio"] = row["cache_bytes"] / original["cache_bytes"]
-        row["seconds"] = round(time.time() - t0, 1)
-        rows.append(row)
+        rows.append(_ratios(row, original, t0))
+    for path in args.trained_dirs:
+        rows.extend(_trained_rows(path, val_batches, args.cache_length, device, long, original))
     result = {
         "recipe": args.config,
         "overrides": args.overrides,
@@ -291,6 +347,7 @@ def run(args) -> dict:
         "transfer": bool(args.transfer),
         "cache_length": args.cache_length,
         "val_blocks": int(val.shape[0]),
+        "long": {"source": args.long, "lengths": args.long_length_list, "blocks": {k: len(v) for k, v in long.items()}} if long else None,
         "seq_len": int(val.shape[1]),
         "device": str(device),
         "original": original,
@@ -298,6 +355,56 @@ def run(args) -> dict:
         "wall_seconds": round(time.time() - started, 1),
     }
     return result
+
+
+def _ratios(row: dict, original: dict, started: float) -> dict:
+    row["ppl_ratio"] = row["ppl"] / original["ppl"]
+    row["long_ppl_ratio"] = {k: v / original["long_ppl"][k] for k, v in row.get("long_ppl", {}).items()}
+    row["cache_ratio"] = row["cache_bytes"] / original["cache_bytes"]
+    row["seconds"] = round(time.time() - started, 1)
+    return row
+
+
+def operator_label(spec: dict) -> str:
+    """``sink_recent(sink=4,window=64)`` for an operator's ``to_dict()`` (its registry alias
+    when it has one, else its class name)."""
+    from rfkit.registry import OPERATOR_ALIASES
+
+    from rfkit.operators import ReplacementOperator
+
+    path = spec["class_path"]
+    alias = next((a for a, p in OPERATOR_ALIASES.items() if p == path), path.rsplit(".", 1)[-1])
+    try:  # only the settings that differ from the class's defaults
+        defaults = ReplacementOperator.from_dict({"class_path": path}).init_args()
+    except Exception:  # noqa: BLE001 - a plugin without defaults: every setting
+        defaults = {}
+    args = ",".join(f"{k}={v}" for k, v in spec.get("init_args", {}).items() if defaults.get(k, object()) != v)
+    return f"{alias}({args})" if args else alias
+
+
+def _trained_rows(path: Path, val_batches, cache_length: int, device, long: dict, original: dict) -> list[dict]:
+    """A ``--trained`` directory measured like the other rows; its beta and operator are read
+    from its head map and config. A hybrid model gets a second row with its state switched off
+    (:func:`rfkit.hybrid.state_off`): same window, same cache, so the gap is what the state
+    carries from beyond the window."""
+    from rfkit.headmap import HeadMap
+    from rfkit.hybrid import state_off
+    from rfkit.loading import load_model
+
+    head_map = HeadMap.load(path / "head_map.json")
+    model = load_model(str(path), device=device).model
+    label = operator_label(getattr(model.config, "rf_operator", None) or {"class_path": "unknown"})
+    policy = (head_map.policy or {}).get("class_path", "recipe").rsplit(".", 1)[-1]
+    base = {"policy": policy, "beta": float(head_map.beta), "replaced_heads": head_map.replaced_heads,
+            "total_heads": head_map.total_heads, "transferred": True, "trained": True, "model": str(path)}  # fmt: skip
+    t0 = time.time()
+    rows = [_ratios({**base, "operator": f"{label} trained", **measure(model, val_batches, cache_length, device, f"perplexity ({path})", long)}, original, t0)]
+    with state_off(model) as blocks:
+        if blocks:
+            t0 = time.time()
+            measured = measure(model, val_batches, cache_length, device, f"perplexity ({path}, state off)", long)
+            rows.append(_ratios({**base, "operator": f"{label} trained, state off", **measured}, original, t0))
+    return rows
 
 
 def _slug(label: str) -> str:
@@ -313,32 +420,45 @@ def _mode(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
+    o = result["original"]
+    long_names = list(o.get("long_ppl", {}))
+    long_note = ""
+    if long_names:
+        blocks = result["long"]["blocks"]
+        long_note = " Long documents: " + ", ".join(f"{blocks[n]} validation blocks of {n}" for n in long_names) + "."
     lines = [
         f"Sweep of {result['recipe']} ({result['base_model']}, {_mode(result)}); perplexity on {result['val_blocks']} "
-        f"validation blocks of {result['seq_len']} tokens; cache after {result['cache_length']} tokens.",
+        f"validation blocks of {result['seq_len']} tokens; cache after {result['cache_length']} tokens.{long_note}",
         "",
-        "| policy | operator | beta | heads replaced | kept KV | cache bytes/token | cache ratio | PPL | PPL ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | operator | beta | heads replaced | kept KV | cache bytes/token | cache ratio | PPL | PPL ratio |"
+        + "".join(f" PPL ratio {n} |" for n in long_names),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(long_names),
     ]
-    o = result["original"]
     length = result["cache_length"]
-    lines.append(f"| original | attention | 0 | 0 | 100.0% | {o['cache_bytes'] / length:,.0f} | 1.000 | {o['ppl']:.2f} | 1.000 |")
+    lines.append(
+        f"| original | attention | 0 | 0 | 100.0% | {o['cache_bytes'] / length:,.0f} | 1.000 | {o['ppl']:.2f} | 1.000 |"
+        + " 1.000 |" * len(long_names)
+    )
     for r in result["rows"]:
+        long_ratios = r.get("long_ppl_ratio", {})
         lines.append(
             f"| {r.get('policy', '')} | {r.get('operator', '')} | {r['beta']:g} | {r['replaced_heads']}/{r['total_heads']} | "
             f"{100 * r['kept_kv_fraction']:.1f}% | {r['cache_bytes'] / length:,.0f} | {r['cache_ratio']:.3f} | "
-            f"{r['ppl']:.2f} | {r['ppl_ratio']:.3f} |"
+            f"{r['ppl']:.2f} | {r['ppl_ratio']:.3f} |" + "".join(f" {long_ratios[n]:.3f} |" for n in long_names)
         )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> Path:
     """Perplexity ratio against cache bytes per token: one line per policy x operator (colour:
-    operator, marker and dash: policy), one point per beta."""
+    operator, marker and dash: policy), one point per beta; one panel per evaluation set (the
+    recipe's validation blocks, then each ``--long`` set)."""
     from rfkit.plots import pyplot, save_figure
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    panels = [("ppl_ratio", f"validation blocks of {result['seq_len']}")]
+    panels += [(name, name) for name in result["original"].get("long_ppl", {})]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 + 4.5 * (len(panels) - 1), 4.8), squeeze=False)
     length = result["cache_length"]
     lines: dict[tuple, list] = {}
     for r in result["rows"]:
@@ -347,29 +467,31 @@ def plot(result: dict, path: Path) -> Path:
     operators = list(dict.fromkeys(o for _, o in lines))
     colours = plt.get_cmap("tab10")
     markers, dashes = "osD^v<>ph*", ["-", "--", ":", "-."]
-    ys_all = []
-    for (policy, operator), rows in lines.items():
-        rows = sorted(rows, key=lambda r: r["cache_bytes"])
-        xs = [r["cache_bytes"] / length for r in rows]
-        ys = [r["ppl_ratio"] for r in rows]
-        ys_all += ys
-        p, o = policies.index(policy), operators.index(operator)
-        label = f"{policy} + {operator}" if len(lines) > 1 else result["policy"].get("class_path", "policy").rsplit(".", 1)[-1]
-        ax.plot(xs, ys, color=colours(o % 10), marker=markers[p % len(markers)], ls=dashes[p % len(dashes)], label=label)
-        if len(lines) == 1:
-            for r, x, y in zip(rows, xs, ys):
-                ax.annotate(f"β={r['beta']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    o = result["original"]
-    ax.plot([o["cache_bytes"] / length], [1.0], marker="*", ms=10, color="black", ls="", label="original")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    if ys_all and max(ys_all) / max(min(ys_all), 1e-9) > 3:
-        ax.set_yscale("log")
-    ax.set_xlabel(f"cache bytes per token (after {length} tokens)")
-    ax.set_ylabel("perplexity ratio (converted / original)")
     mode = "trained" if result["trained"] else "attention transfer only" if result.get("transfer") else "untrained"
-    ax.set_title(f"quality vs cache: {Path(result['recipe']).stem} ({mode})", fontsize=9)
-    ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=6.5, ncol=2 if len(lines) > 6 else 1)
+    for ax, (key, title) in zip(axes[0], panels):
+        ys_all = []
+        for (policy, operator), rows in lines.items():
+            rows = sorted(rows, key=lambda r: r["cache_bytes"])
+            xs = [r["cache_bytes"] / length for r in rows]
+            ys = [r["ppl_ratio"] if key == "ppl_ratio" else r["long_ppl_ratio"][key] for r in rows]
+            ys_all += ys
+            p, o = policies.index(policy), operators.index(operator)
+            label = f"{policy} + {operator}" if len(lines) > 1 else result["policy"].get("class_path", "policy").rsplit(".", 1)[-1]
+            ax.plot(xs, ys, color=colours(o % 10), marker=markers[p % len(markers)], ls=dashes[p % len(dashes)], label=label)
+            for r, x, y in zip(rows, xs, ys):
+                if len(lines) == 1 or len(panels) > 1:
+                    ax.annotate(f"β={r['beta']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        o = result["original"]
+        ax.plot([o["cache_bytes"] / length], [1.0], marker="*", ms=10, color="black", ls="", label="original")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        if ys_all and max(ys_all) / max(min(ys_all), 1e-9) > 3:
+            ax.set_yscale("log")
+        ax.set_xlabel(f"cache bytes per token (after {length} tokens)")
+        ax.set_ylabel("perplexity ratio (converted / original)")
+        ax.set_title(f"{Path(result['recipe']).stem} ({mode}): {title}", fontsize=9)
+        ax.grid(True, alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=6.5, ncol=2 if len(lines) > 6 else 1)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 

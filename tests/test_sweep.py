@@ -82,6 +82,10 @@ def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, 
         (["--policies", "random(sed=1)"], "--policies: RandomHeads takes no 'sed'"),
         (["--policies", "explicit(heads=[[0]])"], "does not take a beta"),
         (["--policies", "random,random"], "--policies: the same spec is given twice"),
+        (["--long", "embedded:shakespear"], "--long: unknown embedded data 'embedded:shakespear'"),
+        (["--long", "embedded:shakespeare", "--long-lengths", "2k"], "--long-lengths: '2k' is not allowed"),
+        (["--long", "embedded:shakespeare", "--long-blocks", "0"], "--long-blocks"),
+        (["--trained", "no/such/dir"], "--trained: 'no/such/dir' is not a converted model directory"),
     ],
 )
 def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
@@ -137,4 +141,47 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     assert layerwise == [[], [0, 1, 2, 3]]  # a whole layer, layer 0 kept
     table = (out_dir / "sweep.md").read_text()
     assert "| layerwise | sliding_window(window=64) | 0.5 | 4/8 | 50.0% |" in table
+    assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpus, converted_dir, tmp_path, capsys):
+    """--trained rows come from saved converted models; --long measures every row (and the
+    original) on a second set of longer blocks, with ratios to the original's."""
+    out_dir = tmp_path / "sweep"
+    args = [
+        "sweep", "--config", SMOLLM, "--betas", "0.5", "--output", str(out_dir), "--cache-length", "64",
+        "--operators", "sink_recent(sink=4,window=16)", "--trained", str(converted_dir),
+        "--long", str(tiny_corpus), "--long-lengths", "64,96", "--long-blocks", "2",
+    ]  # fmt: skip
+    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    assert code == 0, err
+    result = json.loads((out_dir / "sweep.json").read_text())
+    name = tiny_corpus.name
+    assert result["long"]["blocks"] == {f"{name}@64": 2, f"{name}@96": 2}
+    assert sorted(result["original"]["long_ppl"]) == [f"{name}@64", f"{name}@96"]
+    window, trained, off = result["rows"]
+    assert window["operator"] == "sink_recent(sink=4,window=16)" and not window["trained"]
+    head_map = json.loads((converted_dir / "head_map.json").read_text())
+    assert trained["trained"] and trained["model"] == str(converted_dir) and trained["beta"] == head_map["beta"]
+    assert trained["operator"].startswith("hybrid") and trained["operator"].endswith(" trained")
+    # the recipe's model is a hybrid: a second row closes its state's gates, same cache
+    assert off["operator"] == trained["operator"] + ", state off" and off["cache_bytes"] == trained["cache_bytes"]
+    # 32-token blocks never leave the 4 + 56 window, 96-token blocks do: only there the state counts
+    assert off["ppl"] == pytest.approx(trained["ppl"], rel=1e-6)
+    assert off["long_ppl"][f"{name}@96"] != pytest.approx(trained["long_ppl"][f"{name}@96"], rel=1e-6)
+    for row in (window, trained, off):
+        for key, ppl in row["long_ppl"].items():
+            assert row["long_ppl_ratio"][key] == pytest.approx(ppl / result["original"]["long_ppl"][key])
+    # the trained directory is measured as saved: its perplexity is what loading it gives
+    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.data import TextDataModule
+    from rfkit.loading import load_model
+
+    data = TextDataModule(source=str(tiny_corpus), tokenizer=str(tiny_model_dir), seq_len=64, val_blocks=2, batch_size=1)
+    data.setup("validate")
+    model = load_model(str(converted_dir)).model
+    expected = evaluate_perplexity(model, [{"input_ids": b[None]} for b in data.validation])
+    assert trained["long_ppl"][f"{name}@64"] == pytest.approx(expected, rel=1e-5)
+    table = (out_dir / "sweep.md").read_text()
+    assert f"PPL ratio {name}@64 | PPL ratio {name}@96 |" in table and "trained |" in table
     assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
