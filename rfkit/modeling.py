@@ -29,6 +29,7 @@ Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mist
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -38,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
+    LlamaForCausalLM,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
@@ -323,6 +325,18 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
 _FAMILIES = {}
 
 
+# The name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
+# ``past_key_values`` before. Our overrides accept both (generate() validates user kwargs
+# against their signatures) and hand the cache on under the installed name.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _pass_cache(kwargs: dict, cache, past_key_values) -> None:
+    given = cache if cache is not None else past_key_values
+    if given is not None:  # only when given: 5.24 warns on the old name even when it is None
+        kwargs[_CACHE_ARG] = given
+
+
 def _family_classes(base_config_cls, base_model_cls, family: str):
     class RFConfig(base_config_cls):
         model_type = f"rf_{family}"
@@ -351,6 +365,7 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             past_key_values=None,
             inputs_embeds=None,
             labels=None,
+            cache=None,
             use_cache=None,
             logits_to_keep=0,
             **kwargs,
@@ -364,8 +379,7 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
             if chunk_mask is not None:
                 kwargs[TOKEN_MASK_KWARG] = chunk_mask
-            if past_key_values is not None:  # only when given: transformers 5.24 warns on the old name
-                kwargs["past_key_values"] = past_key_values
+            _pass_cache(kwargs, cache, past_key_values)
             return super().forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -385,13 +399,13 @@ def _family_classes(base_config_cls, base_model_cls, family: str):
             attention_mask=None,
             inputs_embeds=None,
             is_first_iteration=False,
+            cache=None,
             **kwargs,
         ):
             """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
             does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
             ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
-            if past_key_values is not None:  # only when given: transformers 5.24 passes `cache`
-                kwargs["past_key_values"] = past_key_values
+            _pass_cache(kwargs, cache, past_key_values)
             inputs = super().prepare_inputs_for_generation(
                 input_ids,
                 next_sequence_length=next_sequence_length,

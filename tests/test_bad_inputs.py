@@ -145,8 +145,8 @@ CASES = [
     ("missing-recipe-file", "fit", ["--config", "{in}/no_such_recipe.yaml"], ["--config:", "no_such_recipe.yaml' does not exist; recipes:"]),
     # policy and operator
     ("bad-policy-class", "fit", ["--model.policy.class_path", "rfkit.policies.NoSuchPolicy"], ["model.policy: class 'rfkit.policies.NoSuchPolicy' cannot be used"]),
-    ("operator-unknown-arg", "fit", ["--model.operator.init_args.dstate", "4"], ["model.operator.dstate: unknown option (nearest: d_state)"]),
-    ("operator-bad-value", "fit", ["--model.operator.init_args.d_conv", "0"], ["model.operator.d_conv: 0 is not allowed"]),
+    ("operator-unknown-arg", "fit", ["--model.operator.init_args.feature_dims", "4"], ["model.operator.feature_dims: unknown option (nearest: feature_dim)"]),
+    ("operator-bad-value", "fit", ["--model.operator.init_args.feature_dim", "3"], ["model.operator.feature_dim: 3 is not allowed"]),
     # beta = 1 without the opt-in
     ("beta-1-without-opt-in", "fit", ["--model.policy.init_args.beta", "1"],
      ["model.policy.init_args.beta: 1.0 replaces every attention head", "destroys quality", "model.policy.init_args.allow_all_heads: true"]),  # fmt: skip
