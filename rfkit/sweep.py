@@ -224,7 +224,7 @@ def long_sets(source: str, tokenizer: str, lengths: list[int], blocks: int) -> d
     the validation documents of ``source`` (its default split), one block per batch."""
     from rfkit.data import TextDataModule
 
-    name = source.removeprefix("embedded:")
+    name = source.removeprefix("embedded:") if source.startswith("embedded:") else Path(source).name
     sets = {}
     for length in lengths:
         data = TextDataModule(source=source, tokenizer=tokenizer, seq_len=length, val_blocks=blocks, calibration_samples=1, batch_size=1)

@@ -45,10 +45,12 @@ def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_
     kv_orig = 2 * 2 * 2 * 16 * 4
     kept_kv = 0
     state = 0
-    for layer, heads in zip(model.model.layers, head_map.selected):
-        kept_kv += 2 - len({h // 2 for h in heads}) if heads else 2  # kv_group selection: whole groups
-        if heads:
-            state += layer.self_attn.mixer.d_inner * (4 + 16) * 4  # conv (d_conv 4) + SSM (d_state 16)
+    for heads in head_map.selected:
+        replaced_kv = len({h // 2 for h in heads})  # kv_group selection: whole groups
+        kept_kv += 2 - replaced_kv
+        if heads:  # the recipe's hybrid: K and V of 4 sink + 56 recent tokens, a long counter,
+            # and a 16-feature linear-attention state (16 x (16 + 1)) per replaced KV head
+            state += replaced_kv * (2 * (4 + 56) * 16 * 4 + 16 * (16 + 1) * 4) + 8
     kv_conv = kept_kv * 2 * 16 * 4
     for row, length in zip(result["rows"], (8, 40)):
         tokens = 4 + length

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # MQAR recipes are `rfkit eval mqar` configs (tested in test_mqar.py), not LightningCLI fit recipes
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("mqar"))
 SMOLLM = str(ROOT / "recipes" / "smollm2_b05.yaml")
+MAMBA = str(ROOT / "recipes" / "smollm2_mamba_b05.yaml")  # the paper's Mamba-only operator
 
 
 def run_cli(args, capsys):
@@ -28,10 +29,11 @@ def run_cli(args, capsys):
     return code, out, err
 
 
-def tiny_args(model_dir, corpus, root):
-    """Overrides that run the SmolLM2 recipe's code paths on the tiny model and corpus."""
+def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
+    """Overrides that run a SmolLM2 recipe's code paths (default: the default recipe's) on the
+    tiny model and corpus."""
     return [
-        "--config", SMOLLM,
+        "--config", recipe,
         "--model.base_model", str(model_dir),
         "--model.policy.init_args.window", "4",
         "--data.source", str(corpus),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import random_ids, tiny_model
-from test_cli import run_cli, tiny_args
+from test_cli import MAMBA, run_cli, tiny_args
 from rfkit.distill import DistillConfig, DistillError, hidden_loss, kl_loss
 from rfkit.lora import LoraSettings, apply_lora, lora_layers, merge_lora
 from rfkit.modeling import to_recurformer
@@ -272,8 +272,8 @@ def test_freeze_schedule_stages():
 def test_fit_with_transfer_distillation_lora_and_schedule(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    args = [
-        "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
+    args = [  # the Mamba recipe: init from_attention is a Mamba block's
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path, recipe=MAMBA),
         "--trainer.max_steps", "4",
         "--model.init", "from_attention",
         "--model.transfer.steps", "5",

@@ -121,7 +121,7 @@ def test_an_unknown_name_suggests_the_nearest(capsys):
     assert code == 2 and out == ""
     assert err == (
         "rfkit recipes: error: NAME: 'smollm_b05' is not a catalogue recipe; "
-        "nearest: smollm2_b05, smollm2_hashhop_b05 (rfkit recipes list)\n"
+        "nearest: smollm2_b05, smollm2_mamba_b05, smollm2_hashhop_b05 (rfkit recipes list)\n"
     )
 
 

@@ -26,7 +26,7 @@ def overrides(model_dir, corpus):
 
 def test_sweep_profiles_once_and_measures_every_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
-    args = ["sweep", "--config", SMOLLM, "--betas", "1,0,0.5", "--output", str(out_dir), "--cache-length", "64"]
+    args = ["sweep", "--config", SMOLLM, "--betas", "1,0,0.5", "--output", str(out_dir), "--cache-length", "64", "--operators", "mamba"]
     code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
