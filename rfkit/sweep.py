@@ -413,10 +413,14 @@ def _slug(label: str) -> str:
 
 def _mode(result: dict) -> str:
     if result["trained"]:
-        return "after `rfkit fit`"
-    if result.get("transfer"):
-        return "converted, attention transfer only (no end-to-end training)"
-    return "converted, new blocks untrained"
+        mode = "after `rfkit fit`"
+    elif result.get("transfer"):
+        mode = "converted, attention transfer only (no end-to-end training)"
+    else:
+        mode = "converted, new blocks untrained"
+    if any(r.get("model") for r in result["rows"]):  # --trained rows
+        mode += "; `trained` rows: saved models from `rfkit fit`"
+    return mode
 
 
 def markdown(result: dict) -> str:
@@ -468,6 +472,8 @@ def plot(result: dict, path: Path) -> Path:
     colours = plt.get_cmap("tab10")
     markers, dashes = "osD^v<>ph*", ["-", "--", ":", "-."]
     mode = "trained" if result["trained"] else "attention transfer only" if result.get("transfer") else "untrained"
+    if any(r.get("model") for r in result["rows"]):
+        mode += " + trained models"
     for ax, (key, title) in zip(axes[0], panels):
         ys_all = []
         for (policy, operator), rows in lines.items():

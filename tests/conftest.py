@@ -96,3 +96,15 @@ def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
     except SystemExit as exit:
         assert not exit.code
     return out
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """Send the packed-block cache to a temp dir shared by the requesting module's tests."""
+    from rfkit import data
+
+    root = tmp_path_factory.mktemp("data-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(data, "data_cache_dir", lambda: root)
+    yield root
+    mp.undo()

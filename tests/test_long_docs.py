@@ -27,14 +27,7 @@ from rfkit.data import (
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, EMBEDDED_SHAKESPEARE, SourceError, resolve_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    """Send the packed-block cache to a temp dir shared by this module's tests."""
-    root = tmp_path_factory.mktemp("data-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setattr(data, "data_cache_dir", lambda: root)
-    yield root
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("data_cache")  # conftest: packed blocks go to a temp dir
 
 
 @pytest.fixture(scope="module")
