@@ -1,6 +1,6 @@
 """Render a run's summary.json as the Markdown table used in the README.
 
-    python benchmarks/summary_table.py runs/smollm2_b05/lightning_logs/version_0/summary.json
+    python benchmarks/summary_table.py benchmarks/results/fit_smollm2_b05/summary.json
 """
 
 import json
@@ -14,7 +14,7 @@ def table(summary: dict) -> str:
         ("perplexity ratio converted / original", f"{summary['ppl_converted'] / summary['ppl_original']:.3f}"),
         ("KV cache bytes per token, original", f"{summary['cache_bytes_per_token_original']:,.0f}"),
         ("KV cache bytes per token, converted", f"{summary['cache_bytes_per_token_converted']:,.0f}"),
-        ("Mamba state bytes (constant), converted", f"{summary['cache_state_bytes_converted']:,}"),
+        ("state bytes of the replaced heads (constant), converted", f"{summary['cache_state_bytes_converted']:,}"),
         (
             f"cache after a {summary['cache_seq_len']}-token prefill, original / converted",
             f"{summary['cache_peak_bytes_original']:,} / {summary['cache_peak_bytes_converted']:,}",
