@@ -221,9 +221,12 @@ def test_smoke_recipe_shows_that_attention_must_stay(tmp_path, capsys):
     import yaml
 
     recipe = yaml.safe_load(Path(SMOKE).read_text())
-    code, _out, err = run_cli(["eval", "mqar", "--config", SMOKE, "--output_dir", str(tmp_path)], capsys)
+    # only the two ends of the recipe's beta sweep (the middle betas cost 2 of the suite's minutes)
+    betas = [0.0, 1.0]
+    args = ["eval", "mqar", "--config", SMOKE, "--betas", json.dumps(betas), "--output_dir", str(tmp_path)]
+    code, _out, err = run_cli(args, capsys)
     assert code == 0, err
-    results = check_outputs(tmp_path, recipe["betas"], recipe["eval_lengths"])
+    results = check_outputs(tmp_path, betas, recipe["eval_lengths"])
     acc = results["accuracy"]
     shortest = str(min(recipe["eval_lengths"]))
     assert results["replaced_heads"]["1.0"]["replaced"] == results["replaced_heads"]["1.0"]["total"]
