@@ -148,12 +148,11 @@ def validate(args) -> None:
             TextDataModule(source=args.long)  # checks the source's name, no data read
         except SourceError as err:
             raise SweepError(f"--long: {str(err).removeprefix('data.source: ')}") from None
-        for part in (p.strip() for p in args.long_lengths.split(",") if p.strip()):
-            if not part.isdigit() or int(part) < 2:
-                raise SweepError(f"--long-lengths: '{part}' is not allowed; give block lengths in tokens (integers >= 2) like 2048,8192")
-            args.long_length_list.append(int(part))
-        if not args.long_length_list:
-            raise SweepError("--long-lengths: give at least one block length, like 2048,8192")
+        from rfkit.bench import parse_lengths
+
+        args.long_length_list = parse_lengths(args.long_lengths, "--long-lengths")
+        if min(args.long_length_list) < 2:  # a 1-token block has no next token to score
+            raise SweepError(f"--long-lengths: blocks need at least 2 tokens, got {min(args.long_length_list)}")
     args.torch_device = torch_device(args.device)
     out = Path(args.output or f"runs/sweep_{Path(args.config).stem}")
     if out.exists() and not out.is_dir():
