@@ -58,9 +58,9 @@ def parse_args(argv):
 
 def end_to_end(model, train_blocks, batch_size, deadline, distill, lr, lora_lr, seed=0) -> int:
     """Train the new blocks (and LoRA adapters, if any) until ``deadline``; returns tokens seen."""
-    from rfkit.distill import training_loss
-    from rfkit.module import apply_freeze
-    from rfkit.teacher import SharedTeacher
+    from rfkit.training.distill import training_loss
+    from rfkit.training.module import apply_freeze
+    from rfkit.training.teacher import SharedTeacher
 
     apply_freeze(model, "pretrained")
     groups = [{"params": [p for n, p in model.named_parameters() if ".mixer." in n], "lr": lr}]
@@ -85,10 +85,10 @@ def end_to_end(model, train_blocks, batch_size, deadline, distill, lr, lora_lr, 
 
 
 def run_method(method, base, head_map, operator, datamodule, budget, args) -> dict:
-    from rfkit.convert import convert, param_counts, parameter_delta
-    from rfkit.distill import DistillConfig
-    from rfkit.lora import LoraSettings, apply_lora, merge_lora
-    from rfkit.transfer import TransferConfig, transfer
+    from rfkit.conversion.convert import convert, param_counts, parameter_delta
+    from rfkit.training.distill import DistillConfig
+    from rfkit.training.lora import LoraSettings, apply_lora, merge_lora
+    from rfkit.training.transfer import TransferConfig, transfer
 
     if method == "baseline":
         operator = copy.copy(operator)
@@ -101,7 +101,7 @@ def run_method(method, base, head_map, operator, datamodule, budget, args) -> di
     deadline = started + budget
     row = {"method": method, "params_added": added, "params_removed": removed, "train_tokens": 0}
     if method == "fa_transfer":
-        from rfkit.module import init_from_attention
+        from rfkit.training.module import init_from_attention
 
         init_from_attention(model, operator)
     if method != "baseline":
@@ -152,10 +152,10 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from rfkit.callbacks.perplexity import evaluate_perplexity
-    from rfkit.convert import load_base_model, profile_for
-    from rfkit.headmap import HeadMap, atomic_write_json, atomic_write_text
-    from rfkit.layout import AttentionLayout
-    from rfkit.loading import parse_recipe
+    from rfkit.conversion.convert import load_base_model, profile_for
+    from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+    from rfkit.models.layout import AttentionLayout
+    from rfkit.config.loading import parse_recipe
 
     torch.manual_seed(0)
     module, datamodule = parse_recipe(args.config, [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 
-from rfkit.cache import measure_cache
+from rfkit.models.cache import measure_cache
 
 
 class CacheMonitor(L.Callback):

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from rfkit.headmap import atomic_write_json
+from rfkit.conversion.headmap import atomic_write_json
 
 SUMMARY_FIELDS = (
     "ppl_original",
@@ -80,7 +80,7 @@ def gathered_model(trainer, pl_module, root):
             clone = type(model)(copy.deepcopy(model.config))
             lora = getattr(pl_module, "lora", None)
             if lora is not None:
-                from rfkit.lora import apply_lora
+                from rfkit.training.lora import apply_lora
 
                 apply_lora(clone, lora)
     finally:
@@ -150,7 +150,7 @@ class RunSummary(L.Callback):
         if pl_module.head_map is not None:
             pl_module.head_map.save(out / "head_map.json")
         if saving:
-            from rfkit.convert import save_converted
+            from rfkit.conversion.convert import save_converted
 
             tokenizer = getattr(trainer.datamodule, "tokenizer", None)
             saved = save_converted(model, pl_module.head_map, out / "model", tokenizer, config_text(trainer, out), metrics=summary)

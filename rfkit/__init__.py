@@ -8,16 +8,16 @@ CUDA-only packages.
 
 __version__ = "0.1.0"
 
-from rfkit import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
+from rfkit.models import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
 from rfkit.errors import RFKitError  # noqa: E402
-from rfkit.operators import (  # noqa: E402
+from rfkit.conversion.operators import (  # noqa: E402
     HybridOperator,
     MambaOperator,
     ReplacementOperator,
     SinkRecentOperator,
     SlidingWindowOperator,
 )
-from rfkit.policies import (  # noqa: E402
+from rfkit.conversion.policies import (  # noqa: E402
     ExplicitHeads,
     FromHeadMap,
     HeadSelectionPolicy,

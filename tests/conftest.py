@@ -1,51 +1,23 @@
-"""Shared fixtures: tiny random Llama / Qwen2 / Mistral models (2 layers, width 64)."""
+"""Shared fixtures: tiny random models saved as HF directories, a tiny corpus, a converted model
+and the data cache; the plain helpers they use are in helpers.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY, run_cli, tiny_args, tiny_model  # noqa: F401
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 import rfkit  # noqa: F401  (registers the converted model types)
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=256,
-)
-
-
-def tiny_model(family: str = "llama", num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0):
-    torch.manual_seed(seed)
-    kw = dict(TINY, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**kw))
-    elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=False))
-    elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=None))
-    else:
-        raise ValueError(family)
-    return model.eval()
+from rfkit.cli import main
 
 
 @pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
-
-
-def random_ids(batch: int = 2, length: int = 24, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=g)
 
 
 @pytest.fixture(scope="session")
@@ -85,9 +57,6 @@ def tiny_corpus(tmp_path_factory):
 def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
     """The tiny GQA llama (4 heads, 2 KV heads, head_dim 16) converted by ``rfkit convert``
     with the SmolLM2 recipe's settings; tests only read it."""
-    from test_cli import tiny_args
-
-    from rfkit.cli import main
 
     root = tmp_path_factory.mktemp("converted")
     out = root / "conv"

@@ -84,7 +84,7 @@ def test_smollm2_decoding_through_the_hybrid_cache(smollm2_run):
     import rfkit  # noqa: F401
     from transformers import AutoTokenizer
 
-    from rfkit.cache import mixer_state_store
+    from rfkit.models.cache import mixer_state_store
 
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_run / "model")).eval()
     tok = AutoTokenizer.from_pretrained(str(smollm2_run / "model"))

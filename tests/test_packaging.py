@@ -17,8 +17,8 @@ def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "rfkit/callbacks/__init__.py" in names and "rfkit/callbacks/perplexity.py" in names
     assert "rfkit/recipes/smollm2_b05.yaml" in names
-    assert "rfkit/catalog.py" in names  # `rfkit recipes` and --config NAME read rfkit.recipes from the wheel
-    assert "rfkit/kernels/mamba_cpu.c" in names  # the CPU kernel is compiled from the installed source
+    assert "rfkit/config/catalog.py" in names  # `rfkit recipes` and --config NAME read rfkit.recipes from the wheel
+    assert "rfkit/ops/kernels/mamba_cpu.c" in names  # the CPU kernel is compiled from the installed source
     assert not any(name.startswith("callbacks/") for name in names)
 
     site = tmp_path / "site"

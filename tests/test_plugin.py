@@ -23,7 +23,7 @@ RFKIT = Path(sys.executable).with_name("rfkit")
 
 # The policy of the README's "Write your own policy" section, checked below.
 README_POLICY = '''
-from rfkit.policies import HeadSelectionPolicy, PolicyError
+from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError
 
 
 class RecentHeads(HeadSelectionPolicy):
@@ -199,9 +199,9 @@ MIXER_CHECKS = """
 import json
 import torch
 from rfkit_entropy_plugin import EMAOperator, EntropyPolicy
-from rfkit.layout import AttentionLayout
-from rfkit.policies import PolicyError
-from rfkit.profile import HeadProfile
+from rfkit.models.layout import AttentionLayout
+from rfkit.conversion.policies import PolicyError
+from rfkit.conversion.profile import HeadProfile
 
 res = {}
 torch.manual_seed(0)
@@ -276,7 +276,7 @@ profile.rr_mean = [[0.9, 0.2, 0.85, 0.1], [0.9, 0.79, 0.8, 0.3]]
 policy = RecentHeads(threshold=0.8, window=8)
 res["readme"] = [policy.select(layout, profile), policy.beta, policy.profile_settings()]
 # named in a recipe: the CLI parses its arguments against the signature
-from rfkit.cli import make_cli
+from rfkit.config.lightning_cli import make_cli
 
 cli = make_cli(["--config", sys.argv[1], "--model.policy", "my_policies.RecentHeads",
                 "--model.policy.init_args.threshold", "0.7"], run=False)

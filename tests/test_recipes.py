@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rfkit import catalog
-from test_cli import run_cli  # pytest puts tests/ on sys.path
+from rfkit.config import catalog
+from helpers import run_cli  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_FILES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -169,7 +169,7 @@ def test_eval_and_bench_take_a_catalogue_name_for_model(tmp_path, monkeypatch, c
 
 
 def test_eval_mqar_takes_a_catalogue_name(capsys):
-    from rfkit.evals.mqar import parse_config
+    from rfkit.experiments.mqar import parse_config
 
     cfg = parse_config(["--config", "mqar_smoke"])
     assert cfg.betas == [0, 0.25, 0.5, 0.75, 1]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from rfkit.loading import ModelSpecError, OneLineParser, check_lengths_fit, check_model_spec, check_output_file
-from rfkit.loading import model_config, torch_device
+from rfkit.config.loading import ModelSpecError, OneLineParser, check_lengths_fit, check_model_spec, check_output_file
+from rfkit.config.loading import model_config, torch_device
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) 
 def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
     """The model checks that need no weights: spec, device, output file and (when given) that
     every length fits the model's context. Sets ``args.torch_device``."""
-    from rfkit.catalog import resolve_model_spec
+    from rfkit.config.catalog import resolve_model_spec
 
     args.torch_device = torch_device(args.device)
     check_output_file(args.json_out)
@@ -87,7 +87,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
 
 def write_json(path: str | Path | None, obj) -> None:
     """Write results atomically (nothing half-written), when a path was given."""
-    from rfkit.headmap import atomic_write_json
+    from rfkit.conversion.headmap import atomic_write_json
 
     if path is not None:
         atomic_write_json(path, obj)

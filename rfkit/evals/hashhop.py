@@ -386,7 +386,7 @@ def add_arguments(parser) -> None:
 
 
 def _tokenizer_for(spec: str):
-    from rfkit.loading import base_model_name, load_tokenizer
+    from rfkit.config.loading import base_model_name, load_tokenizer
 
     path = Path(spec)
     try:
@@ -399,7 +399,7 @@ def validate(args) -> None:
     """Checks that load no weights: counts, the data file, the model spec, and that the longest
     prompt plus the generated tokens fit the model's context (the tokenizer is loaded for that).
     Sets ``args.hh_samples``, ``args.max_new_tokens`` and ``args.prompt_tokens``."""
-    from rfkit.loading import (
+    from rfkit.config.loading import (
         ModelSpecError,
         check_lengths_fit,
         max_context,
@@ -450,7 +450,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     """Load the model, generate, score, print one summary line and write the JSON."""
-    from rfkit.loading import load_model
+    from rfkit.config.loading import load_model
 
     loaded = load_model(args.model, args.original, args.torch_device)
     start = time.time()

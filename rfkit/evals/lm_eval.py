@@ -4,7 +4,7 @@
                        [--include-path DIR] [--num-fewshot N] [--limit N] [--batch-size N]
                        [--device cpu|cuda] [--json OUT]
 
-The model is loaded with ``rfkit.loading.load_model`` (a converted directory, a plain HF
+The model is loaded with ``rfkit.config.loading.load_model`` (a converted directory, a plain HF
 directory, or a recipe converted on the spot without training; ``--original`` for the base
 model), wrapped in lm-eval's ``HFLM`` as an instance (no second load), and evaluated with
 ``lm_eval.simple_evaluate``. The results table is printed; ``--json`` gets the per-task
@@ -20,7 +20,7 @@ With internet access (the standard tasks download their datasets from the Huggin
 
 Add ``--original`` for the unconverted base model, and ``--limit N`` for a quick look at the
 first N examples of each task. Offline, point ``--include-path`` at a directory of task YAMLs
-whose ``dataset_path``/``dataset_kwargs`` read local files (see ``tests/data/lm_eval/``).
+whose ``dataset_path``/``dataset_kwargs`` read local files (see ``tests/fixtures/lm_eval/``).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def run(args) -> int:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import make_table
 
-    from rfkit.loading import load_model
+    from rfkit.config.loading import load_model
 
     loaded = load_model(args.model, args.original, args.torch_device)
     start = time.perf_counter()

@@ -229,7 +229,7 @@ def _spec_tokenizer(spec: str):
     """The tokenizer the model spec will load with (no weights)."""
     from pathlib import Path
 
-    from rfkit.loading import base_model_name, load_tokenizer
+    from rfkit.config.loading import base_model_name, load_tokenizer
 
     path = Path(spec)
     return load_tokenizer(path if path.is_dir() else None, base_model_name(spec))
@@ -253,7 +253,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from rfkit.loading import load_model
+    from rfkit.config.loading import load_model
 
     loaded = load_model(args.model, args.original, args.torch_device)
     start = time.perf_counter()

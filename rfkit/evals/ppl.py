@@ -61,7 +61,7 @@ def sliding_window_nll(model, ids, block_size: int, stride: int) -> tuple[float,
     ``stride == block_size`` this is plain blockwise evaluation: each block loses its first
     token. Returns ``(nll_sum, scored_tokens)``; the sum is accumulated in float64.
     """
-    from rfkit.module import summed_nll
+    from rfkit.training.module import summed_nll
 
     if not 0 < stride <= block_size:
         raise ValueError(f"stride must be in [1, block_size], got stride {stride}, block_size {block_size}")
@@ -90,7 +90,7 @@ def data_settings(args) -> dict:
     the flags, else the recipe's / head map's data settings, else the TextDataModule defaults."""
     from rfkit.data import DEFAULT_SPLIT, TextDataModule, default_split, source_kind
     from rfkit.hub import is_embedded, looks_like_path
-    from rfkit.loading import check_model_spec
+    from rfkit.config.loading import check_model_spec
 
     defaults = {
         name: p.default
@@ -101,7 +101,7 @@ def data_settings(args) -> dict:
     kind = check_model_spec(args.model, require_converted=False)
     path = Path(args.model)
     if kind == "recipe":
-        from rfkit.loading import parse_recipe
+        from rfkit.config.loading import parse_recipe
 
         _, datamodule = parse_recipe(args.model)
         found = {
@@ -115,7 +115,7 @@ def data_settings(args) -> dict:
             "hf_max_documents": datamodule.hf_max_documents,
         }
     elif (path / "head_map.json").exists():
-        from rfkit.headmap import HeadMap
+        from rfkit.conversion.headmap import HeadMap
 
         head_map = HeadMap.load(path / "head_map.json")
         recorded = dict(head_map.data or {})
@@ -269,14 +269,14 @@ def validate(args) -> None:
     block = args.settings["seq_len"]
     if args.mode == "sliding" and args.stride > block:
         raise EvalError(f"--stride: must be <= the block size ({block}), got {args.stride}")
-    from rfkit.loading import check_lengths_fit, model_config
+    from rfkit.config.loading import check_lengths_fit, model_config
 
     check_lengths_fit([block], model_config(args.model), "--block-size")
     args.datamodule = make_datamodule(args.settings, args.batch_size)  # checks the source and fields
 
 
 def run(args) -> int:
-    from rfkit.loading import load_model
+    from rfkit.config.loading import load_model
 
     loaded = load_model(args.model, args.original, args.torch_device)
     start = time.perf_counter()

@@ -26,10 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rfkit.layout import AttentionLayout
-from rfkit.operators import OperatorError, ReplacementOperator
-from rfkit.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy, units_to_heads
-from rfkit.profile import HeadProfile
+from rfkit.operators import AttentionLayout, OperatorError, ReplacementOperator
+from rfkit.policies import HeadProfile, HeadSelectionPolicy, PolicyError, RecencyRatioPolicy, units_to_heads
 
 __all__ = ["EMAMixer", "EMAOperator", "EntropyPolicy"]
 __version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""``python -m rfkit``: the ``rfkit`` command."""
+
+from rfkit.cli import main
+
+main()

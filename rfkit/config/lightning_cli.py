@@ -1,0 +1,254 @@
+"""The LightningCLI behind ``rfkit fit | validate | test | profile | convert``.
+
+:func:`make_cli` builds it (the commands above, and ``bench`` / ``eval`` / ``sweep`` when they read a
+recipe); :func:`run` is the entry the command table (:mod:`rfkit.cli`) calls.
+
+This is the one module that overrides Lightning's private API, so that a Lightning release that
+changes it breaks here and in ``tests/cli/test_lightning_api.py``, nowhere else:
+
+* ``Trainer._run(model, ckpt_path, weights_only)``: read a checkpoint's rfkit entry before any hook
+  writes to the run directory (``weights_only`` exists from Lightning 2.6).
+* ``LightningCLI._instantiate_trainer(config, callbacks)``: rfkit's checkpointing defaults.
+* ``LightningCLI._parser(subcommand)``: the parser that dumps the resolved config.
+* ``LightningCLI._parse_ckpt_path``: named by :mod:`rfkit.cli` to recognise an unreadable ``--ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from rfkit.config.parse_errors import PARSE_ARGS, tidy_parse_error
+from rfkit.errors import RFKitError, one_line
+
+log = logging.getLogger("rfkit")
+
+#: Lightning's private methods overridden or named here, with the parameters rfkit relies on
+#: (checked against the installed Lightning by tests/cli/test_lightning_api.py)
+PRIVATE_API = {
+    "lightning.pytorch.Trainer._run": ("self", "model", "ckpt_path", "weights_only"),
+    "lightning.pytorch.cli.LightningCLI._instantiate_trainer": ("self", "config", "callbacks"),
+    "lightning.pytorch.cli.LightningCLI._parser": ("self", "subcommand"),
+    "lightning.pytorch.cli.LightningCLI._parse_ckpt_path": ("self",),
+}
+
+
+class ParseError(RFKitError):
+    """A recipe or command line that does not parse; the message is one line naming the field."""
+
+
+class RFArgumentParser(LightningArgumentParser):
+    """Raises parse errors as one line (no usage dump); :mod:`rfkit.cli` prints it and exits 2."""
+
+    def error(self, message, *args, **kwargs):
+        raise ParseError(tidy_parse_error(message))
+
+
+class RFTrainer(Trainer):
+    """Lightning's Trainer plus the subcommands that convert without training."""
+
+    rf_ckpt_path: str | None = None
+    rf_ckpt_meta: dict | None = None
+
+    def _run(self, model, ckpt_path=None, weights_only=None):
+        # Lightning has resolved --ckpt_path ("last" -> a file) and restores the weights after
+        # configure_model. The checkpoint's rfkit entry is read (weights_only) and checked
+        # against the recipe here, before any hook writes to the run directory; the module then
+        # rebuilds the converted architecture from it instead of profiling again.
+        self.rf_ckpt_path, self.rf_ckpt_meta = None, None
+        if ckpt_path is not None and hasattr(model, "check_checkpoint"):
+            from rfkit.training.checkpointing import read_meta
+
+            self.rf_ckpt_meta = model.check_checkpoint(str(ckpt_path), read_meta(ckpt_path))
+            self.rf_ckpt_path = str(ckpt_path)
+        return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
+
+    def profile(self, model, datamodule=None, output: str = "head_map.json", report: bool = True):
+        """Profile the heads on calibration data, select with the policy, write the head map.
+
+        Args:
+            output: Where to write head_map.json (the resolved config goes beside it, as config.yaml).
+            report: Also write the head pictures beside it: RA-I heatmap, mean attention maps
+                of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
+        """
+        from rfkit.conversion.convert import build_head_map, load_base_model
+        from rfkit.conversion.headmap import atomic_write_text
+
+        base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code)
+        head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
+        head_map.save(output)
+        print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
+        config_text = getattr(self, "rf_config_text", None)
+        if config_text is not None:  # the resolved recipe beside the map
+            atomic_write_text(Path(output).parent / "config.yaml", config_text)
+            print(f"resolved config -> {Path(output).parent / 'config.yaml'}")
+        if report and datamodule is not None:
+            from rfkit.conversion.head_report import write_head_report
+
+            paths = write_head_report(base, head_map, datamodule.calibration_dataloader(), Path(output).parent)
+            print("head report: " + ", ".join(str(p) for p in paths.values()))
+        return head_map
+
+    def convert(self, model, datamodule=None, output: str = "converted"):
+        """Profile, select, replace and run the recipe's attention transfer (no end-to-end training);
+        save the converted model in HF format.
+
+        Args:
+            output: Directory for the converted model (written atomically), with its model card
+                (README.md) and the resolved config (config.yaml).
+        """
+        from rfkit.conversion.convert import save_converted
+
+        model.prepare(datamodule, callbacks=self.callbacks)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
+        # hooks filled in); the end-to-end numbers come with rfkit fit
+        out = save_converted(
+            model.model, model.head_map, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics)
+        )
+        print(f"converted model ({model.head_map.replaced_heads} of {model.head_map.total_heads} heads replaced) -> {out}")
+        return out
+
+
+class RFKitCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        base = dict(LightningCLI.subcommands())
+        base.pop("predict", None)
+        base["profile"] = {"model", "datamodule"}
+        base["convert"] = {"model", "datamodule"}
+        return base
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        from rfkit.callbacks import CacheMonitor, PerplexityMonitor, RunSummary
+
+        parser.add_lightning_class_args(PerplexityMonitor, "perplexity")
+        parser.add_lightning_class_args(CacheMonitor, "cache")
+        parser.add_lightning_class_args(RunSummary, "summary")
+        from rfkit.training.checkpointing import RunCheckpoint
+
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
+        from jsonargparse import lazy_instance
+
+        from rfkit.data import TextDataModule
+
+        # data: any TextDataModule subclass; without a class_path it is TextDataModule itself,
+        # so recipes keep writing `data: {source: ..., seq_len: ...}`
+        parser.set_defaults({"data": lazy_instance(TextDataModule)})
+        parser.link_arguments("model.base_model", "data.init_args.tokenizer")
+
+    def before_instantiate_classes(self) -> None:
+        """Check the parsed settings (:func:`rfkit.config.preflight.preflight`) before any class is
+        built, any model loads or anything is written."""
+        from rfkit.config.preflight import preflight
+
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        preflight(self.subcommand, config)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
+        ``<default_root_dir>/checkpoints/last.ckpt`` unless checkpointing is off or the recipe
+        lists its own ``ModelCheckpoint``; checkpoints are written atomically and read with
+        ``weights_only=True`` (:class:`AtomicCheckpointIO`)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from rfkit.training.checkpointing import AtomicCheckpointIO, RunCheckpoint
+
+        listed = config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        own = any(isinstance(cb, ModelCheckpoint) for cb in listed)
+        if config.get("enable_checkpointing") is False or own:
+            callbacks = [cb for cb in callbacks if not isinstance(cb, RunCheckpoint)]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        for cb in trainer.callbacks:
+            if isinstance(cb, RunCheckpoint):
+                cb.place(trainer.default_root_dir)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # single device, DDP
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+    def after_instantiate_classes(self) -> None:
+        """Hand the trainer the resolved config as YAML (``trainer.rf_config_text``), dumped as
+        LightningCLI's SaveConfigCallback saves ``config.yaml`` for fit/validate/test; ``rfkit
+        profile`` and ``rfkit convert`` write it beside their outputs, the run summary into the
+        model card."""
+        import inspect
+
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        parser = self._parser(self.subcommand)
+        # keep null values (reproducible); jsonargparse >= 4.49 calls skip_none skip_unset
+        keep_nulls = {"skip_unset" if "skip_unset" in inspect.signature(parser.dump).parameters else "skip_none": False}
+        try:
+            text = parser.dump(config, **keep_nulls)
+        except Exception as err:  # never fail a run over its record; say so
+            log.warning("could not dump the resolved config: %s", one_line(err))
+            text = None
+        self.trainer.rf_config_text = text
+
+
+def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
+    """The ``rfkit`` LightningCLI: RecurFormerModule plus any TextDataModule subclass (the
+    plain one by default). ``rfkit fit`` and the recipe-reading commands all build it here."""
+    from rfkit.data import TextDataModule
+    from rfkit.training.module import RecurFormerModule
+
+    options = dict(
+        trainer_class=RFTrainer,
+        parser_class=RFArgumentParser,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,
+    )
+    options.update(kwargs)
+    _quiet_seed_message()  # bad input is one line on stderr: no "Seed set to 0" before it
+    with warnings.catch_warnings():
+        # args is passed explicitly (rewritten by main, or a recipe read by bench / eval / sweep);
+        # Lightning would warn on stderr that sys.argv holds arguments too
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RFKitCLI(RecurFormerModule, TextDataModule, **options)
+
+
+class _DropSeedMessage(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Seed set to")
+
+
+def _quiet_seed_message() -> None:
+    """Drop Lightning's "Seed set to N" line (the seed is in the saved config.yaml): it would
+    come before a one-line error on stderr."""
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    if not any(isinstance(f, _DropSeedMessage) for f in seed_log.filters):
+        seed_log.addFilter(_DropSeedMessage())
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``args`` with every ``--config VALUE`` / ``--config=VALUE`` / ``-c VALUE`` resolved by
+    :func:`rfkit.config.catalog.resolve_config`: a file stays as given, a catalogue name
+    (``smollm2_b05``) becomes the packaged recipe's path, anything else is a one-line error."""
+    from rfkit.config.catalog import resolve_config
+
+    resolved = list(args)
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            resolved[i + 1] = resolve_config(args[i + 1], flag=arg)
+        elif arg.startswith("--config="):
+            resolved[i] = "--config=" + resolve_config(arg.split("=", 1)[1])
+    return resolved
+
+
+def run(argv: list[str]) -> int:
+    """``rfkit fit|validate|test|profile|convert ...`` (``argv`` starts with the subcommand)."""
+    argv = resolve_config_args(argv)  # --config smollm2_b05 -> the packaged recipe's path
+    PARSE_ARGS[:] = argv  # lets a parse error name the full field (tidy_parse_error)
+    try:
+        make_cli(argv, save_config_kwargs={"overwrite": True})
+    finally:
+        PARSE_ARGS.clear()
+    return 0

@@ -1,0 +1,172 @@
+"""Checks of parsed ``rfkit fit`` / ``validate`` / ``test`` / ``profile`` / ``convert``
+settings that run before any class is built, any model loads or anything is written (see
+:func:`preflight`). Each failure is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rfkit.errors import RFKitError, one_line
+
+
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_trainer_settings(trainer) -> None:
+    """Trainer values Lightning refuses only when it builds the trainer (with a traceback)."""
+
+    def bad(field: str, value, allowed: str) -> RFKitError:
+        return RFKitError(f"trainer.{field}: {value!r} is not allowed; {allowed}")
+
+    max_steps = trainer.get("max_steps")
+    if max_steps is not None and (not _is_int(max_steps) or max_steps < -1):
+        raise bad("max_steps", max_steps, "give an integer >= 0, or -1 for no limit")
+    max_epochs = trainer.get("max_epochs")
+    if max_epochs is not None and (not _is_int(max_epochs) or max_epochs < -1):
+        raise bad("max_epochs", max_epochs, "give an integer >= 0, -1 for no limit, or null")
+    for field in ("min_steps", "min_epochs"):
+        value = trainer.get(field)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise bad(field, value, "give an integer >= 0 or null")
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and (not _is_int(accumulate) or accumulate < 1):
+        raise bad("accumulate_grad_batches", accumulate, "give an integer >= 1")
+    interval = trainer.get("val_check_interval")
+    if _is_number(interval) and interval <= 0:
+        raise bad("val_check_interval", interval, "give a fraction of an epoch in (0, 1] or a number of steps >= 1")
+    for field in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        value = trainer.get(field)
+        if _is_number(value) and value < 0:
+            raise bad(field, value, "give a fraction in [0, 1] or a number of batches >= 0")
+    accelerator = trainer.get("accelerator")
+    if isinstance(accelerator, str):
+        from lightning.pytorch.accelerators import AcceleratorRegistry
+
+        names = sorted(set(AcceleratorRegistry.available_accelerators()) | {"auto", "gpu"})
+        if accelerator.lower() not in names:
+            raise bad("accelerator", accelerator, f"allowed: {', '.join(names)}")
+
+
+def check_ckpt_path(ckpt) -> None:
+    """``--ckpt_path``: Lightning's keywords and URLs pass; a local path must be a checkpoint
+    file (a zip archive or a pickle, as ``torch.save`` writes them)."""
+    if ckpt is None:
+        return
+    text = str(ckpt)
+    if text in _CKPT_KEYWORDS or text.startswith("registry:") or "://" in text:
+        return
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise RFKitError(f"--ckpt_path: '{text}' does not exist; give a checkpoint file written by rfkit fit, or last")
+    if path.is_dir():
+        raise RFKitError(f"--ckpt_path: '{text}' is a directory; give a checkpoint file (for example {path / 'last.ckpt'})")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise RFKitError(f"--ckpt_path: cannot read '{text}' ({err.strerror or one_line(err)})") from None
+    if not head:
+        raise RFKitError(f"--ckpt_path: '{text}' is empty (0 bytes), not a checkpoint")
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise RFKitError(
+            f"--ckpt_path: '{text}' is not a PyTorch checkpoint (neither a zip archive nor a pickle); "
+            "give a .ckpt file written by rfkit fit"
+        )
+
+
+def is_text_data(class_path) -> bool:
+    """Whether the data section builds a :class:`rfkit.data.TextDataModule` (or a subclass)."""
+    from rfkit.data import TextDataModule
+
+    if class_path is None:
+        return True
+    import importlib
+
+    module, _, name = str(class_path).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module or "rfkit.data"), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, TextDataModule)
+
+
+def check_model_fits_data(base_model: str, seq_len, tokenizer) -> None:
+    """Model against data from files alone (no weights, no tokenizer built): ``data.seq_len``
+    within the model's ``max_position_embeddings``; the tokenizer's ids within its ``vocab_size``.
+    Skipped when the model's config is not on disk yet (a hub model before its download)."""
+    from rfkit.hub import SourceError, config_vocab_size, context_length, local_model_dir, read_model_config, tokenizer_size
+
+    found = read_model_config(base_model)
+    if found is None:
+        return
+    config, path = found
+    limit = context_length(config)
+    if limit and _is_int(seq_len) and seq_len > limit:
+        raise SourceError(
+            f"data.seq_len: {seq_len} tokens is beyond the context of model.base_model "
+            f"(max_position_embeddings {limit} in {path}); give data.seq_len <= {limit}"
+        )
+    vocab = config_vocab_size(config)
+    directory = local_model_dir(str(tokenizer)) if tokenizer else None
+    size = tokenizer_size(directory) if directory is not None else None
+    if vocab and size and size > vocab:
+        raise SourceError(
+            f"model.base_model / data.tokenizer: the tokenizer of '{tokenizer}' has {size} token ids but the model "
+            f"has vocab_size {vocab} ({path}), so ids {vocab}..{size - 1} would be out of range; use the tokenizer "
+            f"that belongs to the model (or a model with vocab_size >= {size})"
+        )
+
+
+def preflight(subcommand: str | None, config) -> None:
+    """Checks that need only the parsed settings: they run before any class is built, any
+    model loads or anything is written, and each failure is one line naming the field.
+
+    * the model source (:func:`rfkit.training.module.check_model_source`: path, config, layout,
+      weights, the hub cache offline), ahead of the data section whose tokenizer it links;
+    * trainer settings that Lightning would refuse only once it builds the trainer;
+    * the data text (:meth:`rfkit.data.TextDataModule.check_text`: not empty, some text);
+    * cross-checks of model and data, from ``config.json`` and ``tokenizer.json`` alone:
+      ``data.seq_len`` within the model's context (``max_position_embeddings``), and the
+      tokenizer's ids within the model's ``vocab_size``;
+    * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
+      (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
+    """
+    from rfkit.atomic import check_writable
+    from rfkit.training.module import check_model_source
+
+    model, data, trainer = config.get("model"), config.get("data"), config.get("trainer")
+    base_model = model.get("base_model") if model is not None else None
+    if isinstance(base_model, str):
+        check_model_source(base_model, bool(model.get("trust_remote_code")))
+    if trainer is not None:
+        check_trainer_settings(trainer)
+    init = data.get("init_args") if data is not None and data.get("class_path") else data
+    if init is not None and is_text_data(data.get("class_path") if data is not None else None):
+        from rfkit.data import TextDataModule
+
+        source, text_field = init.get("source"), init.get("text_field", "text")
+        TextDataModule.check_text(source, text_field)
+        if isinstance(base_model, str):
+            check_model_fits_data(base_model, init.get("seq_len"), init.get("tokenizer") or base_model)
+    if subcommand in ("fit", "validate", "test"):
+        root = trainer.get("default_root_dir") if trainer is not None else None
+        check_writable(root or os.getcwd(), "trainer.default_root_dir", "directory")
+        checkpoint = config.get("checkpoint")
+        dirpath = checkpoint.get("dirpath") if checkpoint is not None else None
+        if subcommand == "fit" and dirpath:
+            check_writable(dirpath, "checkpoint.dirpath", "directory")
+        check_ckpt_path(config.get("ckpt_path"))
+    elif subcommand in ("profile", "convert"):
+        output = config.get("output")
+        if output:
+            check_writable(output, "--output", "file" if subcommand == "profile" else "directory")

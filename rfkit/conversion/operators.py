@@ -1,0 +1,312 @@
+"""Replacement operators: what the replaced heads of a layer become.
+
+An operator is any subclass of :class:`ReplacementOperator`, named in recipes by
+``class_path``. :meth:`ReplacementOperator.build` returns the mixer module of one layer. A
+mixer takes the values of the replaced heads' KV heads ``(B, L, d_in)`` and returns the
+replaced heads' outputs ``(B, L, d_out)`` in their original head order. Its call signature::
+
+    out = mixer(x)                                   # training / full forward
+    out, state = mixer(x, *state, return_states=True)  # prefill or continue from a state
+    out, *state = mixer.step(x, *state)              # one decode token
+
+``state`` is a tuple of tensors whose size does not grow with the sequence. When a chunk
+holds padding (a left-padded batch), the two forward calls also get ``mask=`` (B, L), 1 for
+real tokens; pad tokens must leave the state untouched. Unpadded input never sends a mask.
+``mixer.state_bytes(batch_size, dtype)`` gives the bytes of one state (cache accounting).
+
+What ``x`` holds is the operator's :attr:`ReplacementOperator.inputs`: ``"values"`` (the default,
+RecurFormer's choice) is the replaced heads' KV-head values only; ``"qkv"`` is their rotated
+queries, keys and values concatenated, ``(B, L, Hq*hd + 2*Hkv*hd)``, for operators that keep
+attending (:class:`SlidingWindowOperator`, :class:`SinkRecentOperator`). ``qkv`` operators are
+built with ``build(d_in, d_out, layer_idx, kv_for_query=..., head_dim=..., scaling=...)``, and
+the converted layer keeps the replaced heads' pretrained query and key projections for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from rfkit.errors import RFKitError
+
+
+class OperatorError(RFKitError):
+    """A bad operator setting. One line for the user, naming the field."""
+
+
+class ReplacementOperator(ABC):
+    """Base class for operators."""
+
+    #: what the mixer reads: ``"values"`` or ``"qkv"`` (see the module docstring)
+    inputs: str = "values"
+    #: whether the mixer has weights to learn (``rfkit fit`` / attention transfer train them)
+    trainable: bool = True
+
+    @abstractmethod
+    def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
+        """Implemented by every subclass."""
+
+    def init_from_attention(self, mixer: nn.Module, attention: nn.Module, layer) -> None:
+        """Initialise ``mixer`` from the original ``attention`` module it replaces (``init:
+        from_attention``). ``layer`` is the :class:`~rfkit.models.modeling.RecurFormerAttention` that holds
+        it (head indices, head_dim). Operators without such an initialisation say so."""
+        raise OperatorError(f"model.init: from_attention is not supported by {type(self).__name__}; use init: random")
+
+    def init_args(self) -> dict:
+        """The keyword arguments that rebuild this operator (saved in converted model configs)."""
+        return {}
+
+    def to_dict(self) -> dict:
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": self.init_args()}
+
+    @staticmethod
+    def from_dict(spec: dict) -> "ReplacementOperator":
+        module_name, _, cls_name = spec["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        if not (isinstance(cls, type) and issubclass(cls, ReplacementOperator)):
+            raise OperatorError(f"model.operator: {spec['class_path']} is not a ReplacementOperator subclass")
+        return cls(**spec.get("init_args", {}))
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OperatorError(f"model.operator.{name}: {value!r} is not allowed; must be an integer >= 1")
+    return value
+
+
+class MambaOperator(ReplacementOperator):
+    """One Mamba block per layer, fed with the values of all the layer's replaced heads.
+
+    The paper's settings are d_state 16, d_conv 4, expand 2, dt_rank 256. ``dt_rank="auto"``
+    uses ceil(d_in / 16), which suits small blocks (one 64-wide KV group gives 4).
+
+    Args:
+        d_state: SSM state size per channel (N).
+        d_conv: Width of the causal depthwise convolution.
+        expand: Inner width multiplier: d_inner = expand * d_in.
+        dt_rank: Rank of the time-step projection, or "auto".
+        use_fast_path: "auto" uses mamba-ssm's fused CUDA kernels when installed and on CUDA,
+            "always" requires them, "never" uses the pure-PyTorch scan.
+        zero_init_output: Start with ``out_proj`` at zero, so the converted model begins as the
+            original with the replaced heads silenced rather than with random noise in their
+            place; training then grows the block's contribution. ``false`` is the paper's
+            plain random initialisation.
+    """
+
+    def __init__(
+        self,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | str = "auto",
+        use_fast_path: str = "auto",
+        zero_init_output: bool = True,
+    ):
+        self.d_state = _positive_int("d_state", d_state)
+        self.d_conv = _positive_int("d_conv", d_conv)
+        self.expand = _positive_int("expand", expand)
+        if dt_rank != "auto":
+            _positive_int("dt_rank", dt_rank)
+        self.dt_rank = dt_rank
+        if use_fast_path not in ("auto", "always", "never"):
+            raise OperatorError(
+                f"model.operator.use_fast_path: {use_fast_path!r} is not allowed; allowed: auto, always, never"
+            )
+        self.use_fast_path = use_fast_path
+        self.zero_init_output = bool(zero_init_output)
+
+    def init_args(self) -> dict:
+        return {
+            "d_state": self.d_state,
+            "d_conv": self.d_conv,
+            "expand": self.expand,
+            "dt_rank": self.dt_rank,
+            "use_fast_path": self.use_fast_path,
+            "zero_init_output": self.zero_init_output,
+        }
+
+    def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
+        from rfkit.models.mamba import MambaBlock
+
+        args = self.init_args()
+        zero = args.pop("zero_init_output")
+        block = MambaBlock(d_in, d_out, layer_idx=layer_idx, **args)
+        if zero:
+            nn.init.zeros_(block.out_proj.weight)
+        return block
+
+    @torch.no_grad()
+    def init_from_attention(self, mixer: nn.Module, attention: nn.Module, layer) -> None:
+        """Start the block as a gated copy of the values, with B and C reading the keys and queries.
+
+        - ``in_proj`` (x half): channel pairs (+v, -v) for every value channel, so that
+          ``silu(v) - silu(-v) = v`` passes the values through the block's nonlinearity; the
+          remaining channels (expand > 2) keep their random initialisation. The z half (gate)
+          stays random.
+        - ``conv1d``: a unit tap on the current token for those channels, zero bias.
+        - ``x_proj`` (B and C rows): the attention score of a replaced query head is
+          ``q_i . k_j``. Through the least-squares maps ``M_q = W_Q W_V^+`` and
+          ``M_k = W_K W_V^+`` (queries and keys predicted from the values this block sees),
+          the score is ``v_i^T G v_j`` with ``G = M_q^T M_k`` (averaged over the group's
+          replaced query heads). The top singular directions of ``G``, split evenly over the
+          block's KV groups, become C (query side) and B (key side).
+        - ``out_proj``: every replaced query head reads its KV group's value channel pairs
+          (+1 / -1), so the block starts close to handing each head its group's values.
+        """
+        hd = layer.head_dim
+        kv_heads, heads = layer.mixer_kv_heads, layer.replaced_heads
+        d_in, d_inner, n_state = mixer.d_in, mixer.d_inner, mixer.d_state
+        if d_inner < 2 * d_in:
+            raise OperatorError("model.init: from_attention needs model.operator.init_args.expand >= 2")
+        w_in = mixer.in_proj.weight  # (2 * d_inner, d_in)
+        eye = torch.eye(d_in, dtype=w_in.dtype, device=w_in.device)
+        w_in[:d_in] = eye
+        w_in[d_in : 2 * d_in] = -eye
+        conv = mixer.conv1d.weight  # (d_inner, 1, d_conv)
+        conv[: 2 * d_in] = 0
+        conv[: 2 * d_in, 0, -1] = 1
+        if mixer.conv1d.bias is not None:
+            mixer.conv1d.bias[: 2 * d_in] = 0
+
+        # B and C from the query-key bilinear form seen through the values.
+        from rfkit.models.layout import AttentionLayout
+
+        kv_of = AttentionLayout.from_config(layer.config).kv_head_of
+        group_of = {g: [h for h in heads if kv_of(h) == g] for g in kv_heads}
+        per_group = max(1, n_state // len(kv_heads))
+        w_v = attention.v_proj.weight.float()
+        w_q = attention.q_proj.weight.float()
+        w_k = attention.k_proj.weight.float()
+        x_proj = mixer.x_proj.weight  # (dt_rank + 2N, d_inner)
+        b_rows = x_proj[mixer.dt_rank : mixer.dt_rank + n_state]
+        c_rows = x_proj[mixer.dt_rank + n_state :]
+        b_rows.zero_()
+        c_rows.zero_()
+        for slot, g in enumerate(kv_heads):
+            first = slot * per_group
+            count = min(per_group, n_state - first)
+            if count <= 0:
+                break
+            pinv = torch.linalg.pinv(w_v[g * hd : (g + 1) * hd])  # (hidden, hd)
+            m_k = w_k[g * hd : (g + 1) * hd] @ pinv  # (hd, hd)
+            gram = torch.zeros(hd, hd)
+            for h in group_of[g]:
+                m_q = w_q[h * hd : (h + 1) * hd] @ pinv
+                gram += m_q.T @ m_k / len(group_of[g])
+            u, s, vh = torch.linalg.svd(gram * hd**-0.5)
+            root = s[:count].sqrt()
+            cols = slice(slot * hd, (slot + 1) * hd)  # the +v channels of this group
+            c_rows[first : first + count, cols] = (u[:, :count] * root).T.to(x_proj.dtype)
+            b_rows[first : first + count, cols] = (vh[:count].T * root).T.to(x_proj.dtype)
+
+        # out_proj: each replaced head reads its group's (+v, -v) channels.
+        w_out = mixer.out_proj.weight  # (d_out, d_inner)
+        w_out.zero_()
+        eye_hd = torch.eye(hd, dtype=w_out.dtype, device=w_out.device)
+        for row, h in enumerate(heads):
+            slot = kv_heads.index(kv_of(h))
+            rows = slice(row * hd, (row + 1) * hd)
+            w_out[rows, slot * hd : (slot + 1) * hd] = eye_hd
+            w_out[rows, d_in + slot * hd : d_in + (slot + 1) * hd] = -eye_hd
+
+
+class SlidingWindowOperator(ReplacementOperator):
+    """Replaced heads attend to the last ``window`` tokens only (RazorAttention's treatment of
+    non-retrieval heads): their cache is a constant ``window`` tokens instead of the whole
+    sequence. No new weights; the heads keep their pretrained projections.
+
+    Args:
+        window: Tokens each replaced head sees, the current one included.
+    """
+
+    inputs = "qkv"
+    trainable = False
+    sink = 0
+
+    def __init__(self, window: int = 64):
+        self.window = _positive_int("window", window)
+
+    def init_args(self) -> dict:
+        return {"window": self.window}
+
+    def build(self, d_in: int, d_out: int, layer_idx: int, kv_for_query=None, head_dim=None, scaling=None) -> nn.Module:
+        if kv_for_query is None or head_dim is None:
+            raise OperatorError(f"{type(self).__name__} reads queries and keys: build it through a converted layer")
+        block = self.make_block(kv_for_query, head_dim, scaling)
+        if (block.d_in, block.d_out) != (d_in, d_out):
+            raise OperatorError(f"{type(self).__name__}: widths ({d_in}, {d_out}) do not match {len(kv_for_query)} heads of {head_dim}")
+        return block
+
+    def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
+        from rfkit.models.window import WindowAttention
+
+        return WindowAttention(kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling)
+
+
+class SinkRecentOperator(SlidingWindowOperator):
+    """Replaced heads attend to the first ``sink`` tokens and the last ``window`` tokens
+    (StreamingLLM, DuoAttention's streaming heads). ``sink=4, window=16`` holds exactly as many
+    cache bytes as the default Mamba block (d_state 16, d_conv 4, expand 2), so the two can be
+    compared at matched cache size.
+
+    Args:
+        sink: Leading tokens always kept (attention sinks).
+        window: Recent tokens kept, the current one included.
+    """
+
+    def __init__(self, sink: int = 4, window: int = 60):
+        super().__init__(window)
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise OperatorError(f"model.operator.sink: {sink!r} is not allowed; must be an integer >= 0")
+        self.sink = sink
+
+    def init_args(self) -> dict:
+        return {"sink": self.sink, "window": self.window}
+
+
+
+class HybridOperator(SinkRecentOperator):
+    """Replaced heads keep exact softmax attention over ``sink`` first and ``window`` recent tokens
+    and add a learned linear-attention state for the tokens that left the window, under the same
+    softmax normaliser (:class:`rfkit.models.hybrid.HybridWindowAttention`). The state's gate starts
+    closed, so the freshly converted model *is* the training-free ``SinkRecentOperator(sink,
+    window)`` model; attention transfer and distillation then train the feature maps and gates.
+
+    Cache: the sink + window K/V plus ``feature_dim * (head_dim + 1)`` numbers per replaced KV
+    head. With head_dim 64, ``feature_dim=16`` costs about 8 tokens of K/V: ``sink=4, window=56,
+    feature_dim=16`` holds the bytes of ``sink_recent(sink=4, window=64)`` (+64 bytes), and
+    ``sink=4, window=8, feature_dim=16`` those of the default Mamba block.
+
+    Args:
+        sink: Leading tokens attended exactly.
+        window: Recent tokens attended exactly, the current one included.
+        feature_dim: Width of the feature map (even, >= 2).
+        window_dropout: Probability that a training forward shortens the window (to between
+            ``window // 4`` and ``window``), so the state must learn to carry what the window
+            drops. 0 turns it off.
+    """
+
+    trainable = True
+
+    def __init__(self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5):
+        super().__init__(sink=sink, window=window)
+        if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 2 or feature_dim % 2:
+            raise OperatorError(f"model.operator.feature_dim: {feature_dim!r} is not allowed; must be an even integer >= 2")
+        self.feature_dim = feature_dim
+        if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0 <= window_dropout <= 1:
+            raise OperatorError(f"model.operator.window_dropout: {window_dropout!r} is not allowed; must be a number in [0, 1]")
+        self.window_dropout = float(window_dropout)
+
+    def init_args(self) -> dict:
+        return {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}
+
+    def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
+        from rfkit.models.hybrid import HybridWindowAttention
+
+        return HybridWindowAttention(
+            kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
+            feature_dim=self.feature_dim, window_dropout=self.window_dropout,
+        )  # fmt: skip

@@ -1,0 +1,511 @@
+"""``rfkit bench cache`` and ``rfkit bench speed``: the paper's cache and speed tables, measured.
+
+    rfkit bench cache --model DIR|RECIPE --lengths 1024,10240,61440 [--prompt-len N]
+                      [--max-input BYTES] [--json OUT]
+    rfkit bench speed --model DIR|RECIPE --contexts 512,2048,8192,16384 [--runs 5] [--json OUT]
+
+``--model`` is a converted model directory (``rfkit convert`` / ``rfkit fit`` output; the
+original is loaded from the base model named in its ``head_map.json``) or a recipe YAML (the
+base model is converted on the spot, without training: weights do not change cache sizes or
+speed). Both models run in the same process on random token ids, as in the paper.
+
+Every number is measured; the analytic cache prediction is printed beside the measurement,
+never instead of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import logging
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rfkit.errors import RFKitError
+from rfkit.config.loading import DTYPE_NAMES, OneLineParser, check_output_file, converted_from_recipe, torch_device
+from rfkit.config.loading import check_model_spec as _check_spec
+
+log = logging.getLogger(__name__)
+
+
+class BenchError(RFKitError):
+    """Bad bench input; the message is one line for the user."""
+
+
+# ----------------------------------------------------------------------------- argument parsing
+def parse_lengths(text: str, flag: str) -> list[int]:
+    """``"1024,10240"`` -> ``[1024, 10240]``; anything but positive integers is a BenchError."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    values = []
+    for part in parts:
+        try:
+            value = int(part.replace("_", ""))
+        except ValueError:
+            raise BenchError(f"{flag}: '{part}' is not an integer; give positive integers like 1024,10240") from None
+        if value <= 0:
+            raise BenchError(f"{flag}: lengths must be positive integers, got {value}")
+        values.append(value)
+    if not values:
+        raise BenchError(f"{flag}: give at least one positive integer, like 1024,10240")
+    return values
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, flag: str = "--max-input") -> int:
+    """``"512MiB"``, ``"2GB"``, ``"1000000"`` -> bytes."""
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not found or found.group(2).lower() not in _UNITS:
+        raise BenchError(f"{flag}: '{text}' is not a byte budget; give a number with an optional unit, like 512MiB or 2GB")
+    value = int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+    if value <= 0:
+        raise BenchError(f"{flag}: the budget must be positive, got '{text}'")
+    return value
+
+
+class _Parser(OneLineParser):
+    """argparse with one-line errors and exit code 2 (no usage dump)."""
+
+    error_class = BenchError
+    value_hints = {"--max-input": " (a memory budget, like 512MiB or 2GB)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rfkit bench", description="Measure cache size and speed: original vs converted.")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="cache|speed", parser_class=_Parser)
+    common = _Parser(add_help=False)
+    common.add_argument("--model", required=True, help="converted model directory or recipe YAML")
+    common.add_argument("--json", dest="json_out", help="also write the rows as JSON to this file")
+    common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    common.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+
+    cache = sub.add_parser("cache", parents=[common], help="cache bytes after l_g generated tokens (paper Tables 2, 4)")
+    cache.add_argument("--lengths", default="1024,10240,61440", help="generated lengths l_g, comma separated")
+    cache.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens before generation")
+    cache.add_argument(
+        "--chunk", type=int, default=1024, help="tokens fed per forward while growing the cache (1 = token by token)"
+    )
+    cache.add_argument("--max-input", default=None, help="memory budget (e.g. 512MiB): find the longest prompt that fits")
+    cache.add_argument("--no-peak", action="store_true", help="skip the prefill-peak measurement")
+
+    speed = sub.add_parser("speed", parents=[common], help="prefill and decode tokens/s at each context length")
+    speed.add_argument("--contexts", default="512,2048,8192,16384", help="context lengths, comma separated")
+    speed.add_argument("--runs", type=int, default=5, help="measured runs per model and context (median reported)")
+    speed.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode measurement")
+    return parser
+
+
+# ----------------------------------------------------------------------------- loading
+@dataclass
+class ModelPair:
+    original: torch.nn.Module
+    converted: torch.nn.Module
+    base_model: str
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+def check_model_spec(spec: str) -> str:
+    """Cheap checks before anything loads: 'directory' or 'recipe', else a ModelSpecError."""
+    return _check_spec(spec, require_converted=True)
+
+
+def load_pair(spec: str, device: torch.device) -> ModelPair:
+    """The original and the converted model, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    from rfkit.conversion.convert import load_base_model
+    from rfkit.conversion.headmap import HeadMap
+
+    kind = check_model_spec(spec)
+    notes = []
+    if kind == "directory":
+        head_map = HeadMap.load(Path(spec) / "head_map.json")
+        converted = AutoModelForCausalLM.from_pretrained(spec, use_safetensors=True)
+        dtype = DTYPE_NAMES[converted.dtype]
+        base, trust = head_map.model, False
+    else:
+        converted, base, dtype, trust = converted_from_recipe(spec)
+        notes.append("converted from the recipe without training (weights change neither cache size nor speed)")
+    original = load_base_model(base, dtype, trust)
+    for model in (original, converted):
+        model.to(device).eval()
+        model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    return ModelPair(original, converted, base, kind, notes)
+
+
+# ----------------------------------------------------------------------------- cache
+def _layers(model):
+    return model.get_decoder().layers
+
+
+def analytic_cache(model, batch: int = 1) -> dict:
+    """Predicted cache: K/V bytes per token (kept KV heads) and the mixers' constant state."""
+    from rfkit.models.layout import AttentionLayout
+    from rfkit.models.modeling import RecurFormerAttention
+
+    layout = AttentionLayout.from_config(model.config)
+    itemsize = next(model.parameters()).element_size()
+    kv_heads, state = 0, 0
+    for layer in _layers(model):
+        attn = layer.self_attn
+        if isinstance(attn, RecurFormerAttention):
+            kv_heads += len(attn.kept_kv_heads) if attn.q_proj is not None else 0
+            state += attn.mixer.state_bytes(batch, attn.v_proj.weight.dtype)
+        else:
+            kv_heads += layout.num_kv_heads
+    total_kv = layout.num_kv_heads * len(_layers(model))
+    return {
+        "kv_bytes_per_token": batch * kv_heads * 2 * layout.head_dim * itemsize,
+        "state_bytes": state,
+        "kept_kv_fraction": kv_heads / total_kv,
+    }
+
+
+def _random_ids(model, length: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (1, length), generator=g).to(device)
+
+
+@torch.no_grad()
+def cache_after_generation(model, prompt_len: int, gen_len: int, chunk: int, seed: int, device, progress=None) -> dict:
+    """Cache bytes held after a ``prompt_len`` prompt and ``gen_len`` more tokens.
+
+    The generated tokens are fed through the same cache ``chunk`` at a time (random ids, as in
+    the paper): the cache then holds exactly the tensors that token-by-token decoding leaves
+    (tested), without waiting for tens of thousands of sequential steps.
+    """
+    from rfkit.models.cache import cache_bytes
+
+    ids = _random_ids(model, prompt_len + gen_len, seed, device)
+    out = model(input_ids=ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    for start in range(prompt_len, prompt_len + gen_len, chunk):
+        piece = ids[:, start : min(start + chunk, prompt_len + gen_len)]
+        model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if progress is not None:
+            progress.update(piece.shape[1])
+    measured = cache_bytes(cache)
+    measured["tokens"] = cache.get_seq_length()
+    del cache, out
+    return measured
+
+
+def _linux_rss() -> tuple[int, int] | None:
+    """(current RSS, peak RSS) of this process in bytes, from /proc (Linux only)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _release_freed_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so RSS starts low
+    except (OSError, AttributeError):
+        pass
+
+
+@torch.no_grad()
+def prefill_peak(model, length: int, seed: int, device) -> dict:
+    """Memory peak of one prefill of ``length`` random tokens, above what was held before.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU (Linux): the process's RSS high-water mark
+    (reset just before) minus its RSS before: the cache, activations and transient attention
+    buffers of the prefill, measured. Elsewhere: only the cache's tensor bytes.
+    """
+    from rfkit.models.cache import cache_bytes
+
+    ids = _random_ids(model, length, seed, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize(device)
+        peak, method = torch.cuda.max_memory_allocated(device) - before, "cuda max_memory_allocated"
+    else:
+        _release_freed_memory()
+        rss = _linux_rss()
+        if rss is not None and _reset_rss_peak():
+            before = _linux_rss()[0]
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            peak, method = _linux_rss()[1] - before, "cpu RSS high-water (cache + activations + attention buffers)"
+        else:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            peak, method = None, "cpu cache tensors only (no RSS high-water on this OS)"
+    held = cache_bytes(out.past_key_values)["total"]
+    del out
+    return {"peak_bytes": peak if peak is not None else held, "cache_bytes": held, "method": method}
+
+
+def max_input_length(model, budget: int, seed: int, device, start: int = 512, limit: int = 1 << 20) -> dict:
+    """Longest prompt whose measured prefill peak fits ``budget`` bytes (paper's l_m).
+
+    Doubles the length from ``start`` until the peak exceeds the budget, then bisects to within
+    1/32 of the bracket. Every probe is a real prefill.
+    """
+    probes = []
+
+    def fits(length: int) -> bool:
+        peak = prefill_peak(model, length, seed, device)["peak_bytes"]
+        probes.append({"length": length, "peak_bytes": peak})
+        return peak <= budget
+
+    lo, hi = 0, start
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if lo == 0:
+        hi = start
+    step = max(1, (hi - lo) // 32)
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"max_input": lo, "probes": probes}
+
+
+def run_cache(args, pair: ModelPair, device) -> dict:
+    from tqdm.auto import tqdm
+
+    lengths = args.lengths_list
+    pred = {name: analytic_cache(getattr(pair, name)) for name in ("original", "converted")}
+    rows = []
+    total = 2 * sum(lengths)
+    with tqdm(total=total, desc="cache", unit="tok", disable=None) as bar:
+        for length in lengths:
+            row = {"l_g": length, "prompt_len": args.prompt_len}
+            for name in ("original", "converted"):
+                model = getattr(pair, name)
+                m = cache_after_generation(model, args.prompt_len, length, args.chunk, args.seed, device, bar)
+                row[f"kv_bytes_{name}"], row[f"state_bytes_{name}"] = m["kv"], m["state"]
+                row[f"cache_bytes_{name}"] = m["total"]
+            tokens = args.prompt_len + length
+            row["cs"] = row["cache_bytes_converted"] / row["cache_bytes_original"]
+            predicted = (pred["converted"]["kv_bytes_per_token"] * tokens + pred["converted"]["state_bytes"]) / (
+                pred["original"]["kv_bytes_per_token"] * tokens
+            )
+            row["cs_analytic"] = predicted
+            row["cs_rel_diff"] = abs(row["cs"] - predicted) / predicted
+            if not args.no_peak:
+                for name in ("original", "converted"):
+                    peak = prefill_peak(getattr(pair, name), length, args.seed, device)
+                    row[f"prefill_peak_bytes_{name}"] = peak["peak_bytes"]
+                    row["peak_method"] = peak["method"]
+            rows.append(row)
+    result = {
+        "kind": "cache",
+        "model": args.model,
+        "base_model": pair.base_model,
+        "device": str(device),
+        "kept_kv_fraction": pred["converted"]["kept_kv_fraction"],
+        "analytic": pred,
+        "rows": rows,
+        "notes": pair.notes,
+    }
+    if args.max_input is not None:
+        result["max_input"] = {
+            name: max_input_length(getattr(pair, name), args.budget, args.seed, device)
+            for name in ("original", "converted")
+        }
+        result["max_input_budget_bytes"] = args.budget
+    return result
+
+
+# ----------------------------------------------------------------------------- speed
+class _Clock:
+    """A ``generate`` streamer that timestamps the prompt and every new token."""
+
+    def __init__(self, device):
+        self.device, self.stamps = device, []
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def put(self, value) -> None:
+        self.stamps.append(self._now())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def time_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) of one ``model.generate`` call."""
+    clock = _Clock(ids.device)
+    clock.stamps.append(clock._now())
+    model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+    )
+    # stamps: [start, prompt put (before prefill), first token (after prefill), token 2, ...]
+    prefill = clock.stamps[2] - clock.stamps[0]
+    decode = (clock.stamps[-1] - clock.stamps[2]) / max(1, len(clock.stamps) - 3)
+    return prefill, decode
+
+
+def run_speed(args, pair: ModelPair, device) -> dict:
+    from tqdm.auto import tqdm
+
+    rows = []
+    names = ("original", "converted")
+    with tqdm(total=len(args.contexts_list) * (args.runs + 1) * 2, desc="speed", unit="run", disable=None) as bar:
+        for context in args.contexts_list:
+            ids = _random_ids(pair.original, context, args.seed, device)
+            for name in names:  # warm-up: a short run of each model
+                time_generate(getattr(pair, name), ids[:, : min(context, 256)], 4)
+                bar.update(1)
+            times = {name: {"prefill": [], "decode": []} for name in names}
+            for run in range(args.runs):
+                order = names if run % 2 == 0 else names[::-1]  # interleaved, alternating first
+                for name in order:
+                    prefill, decode = time_generate(getattr(pair, name), ids, args.decode_tokens)
+                    times[name]["prefill"].append(prefill)
+                    times[name]["decode"].append(decode)
+                    bar.update(1)
+            row = {"context": context}
+            for name in names:
+                row[f"prefill_tps_{name}"] = context / statistics.median(times[name]["prefill"])
+                row[f"decode_tps_{name}"] = 1.0 / statistics.median(times[name]["decode"])
+                row[f"prefill_s_runs_{name}"] = times[name]["prefill"]
+                row[f"decode_s_per_token_runs_{name}"] = times[name]["decode"]
+            row["prefill_ratio"] = row["prefill_tps_converted"] / row["prefill_tps_original"]
+            row["decode_ratio"] = row["decode_tps_converted"] / row["decode_tps_original"]
+            rows.append(row)
+    return {
+        "kind": "speed",
+        "model": args.model,
+        "base_model": pair.base_model,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "runs": args.runs,
+        "decode_tokens": args.decode_tokens,
+        "rows": rows,
+        "notes": pair.notes,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+def _mib(n) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    if result["kind"] == "cache":
+        peak = any("prefill_peak_bytes_original" in r for r in result["rows"])
+        head = ["l_g", "cache original (MiB)", "cache converted (MiB)", "cs measured", "cs analytic", "rel. diff"]
+        if peak:
+            head += ["prefill peak original (MiB)", "prefill peak converted (MiB)"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in result["rows"]:
+            cells = [
+                f"{r['l_g']:,}",
+                _mib(r["cache_bytes_original"]),
+                _mib(r["cache_bytes_converted"]),
+                f"{r['cs']:.4f}",
+                f"{r['cs_analytic']:.4f}",
+                f"{100 * r['cs_rel_diff']:.2f}%",
+            ]
+            if peak:
+                cells += [_mib(r["prefill_peak_bytes_original"]), _mib(r["prefill_peak_bytes_converted"])]
+            lines.append("| " + " | ".join(cells) + " |")
+        a = result["analytic"]
+        lines.append("")
+        lines.append(
+            f"Prompt {result['rows'][0]['prompt_len']} tokens; K/V per token {a['original']['kv_bytes_per_token']:,} B -> "
+            f"{a['converted']['kv_bytes_per_token']:,} B (kept KV fraction {result['kept_kv_fraction']:.4f}); "
+            f"mixer state {a['converted']['state_bytes']:,} B. Device {result['device']}."
+        )
+        if peak:
+            lines.append(f"Prefill peak of l_g tokens in one forward: {result['rows'][0]['peak_method']}.")
+        if "max_input" in result:
+            mi = result["max_input"]
+            lines.append(
+                f"Longest prompt within {_mib(result['max_input_budget_bytes'])} MiB of prefill peak (l_m): "
+                f"original {mi['original']['max_input']:,}, converted {mi['converted']['max_input']:,} tokens."
+            )
+    else:
+        head = ["context", "prefill tok/s original", "prefill tok/s converted", "ratio", "decode tok/s original", "decode tok/s converted", "ratio"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in result["rows"]:
+            lines.append(
+                f"| {r['context']:,} | {r['prefill_tps_original']:.1f} | {r['prefill_tps_converted']:.1f} | "
+                f"{r['prefill_ratio']:.2f}x | {r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | "
+                f"{r['decode_ratio']:.2f}x |"
+            )
+        lines.append("")
+        lines.append(
+            f"Median of {result['runs']} interleaved runs after a warm-up; decode over {result['decode_tokens']} "
+            f"greedy tokens of `generate()`; device {result['device']}, {result['threads']} threads."
+        )
+    for note in result.get("notes", []):
+        lines.append(f"Note: {note}.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- entry point
+def validate(args) -> None:
+    """Every check that needs no model, so bad input exits before anything loads."""
+    if args.what == "cache":
+        args.lengths_list = parse_lengths(args.lengths, "--lengths")
+        if args.prompt_len <= 0:
+            raise BenchError(f"--prompt-len: must be a positive integer, got {args.prompt_len}")
+        if args.chunk <= 0:
+            raise BenchError(f"--chunk: must be a positive integer, got {args.chunk}")
+        args.budget = None if args.max_input is None else parse_bytes(args.max_input)
+    else:
+        args.contexts_list = parse_lengths(args.contexts, "--contexts")
+        if args.runs < 1:
+            raise BenchError(f"--runs: must be a positive integer, got {args.runs}")
+        if args.decode_tokens < 2:
+            raise BenchError(f"--decode-tokens: must be at least 2, got {args.decode_tokens}")
+    from rfkit.config.catalog import resolve_model_spec
+
+    args.torch_device = torch_device(args.device)
+    check_output_file(args.json_out)
+    args.model = resolve_model_spec(args.model)  # a catalogue name (smollm2_b05) is its recipe
+    check_model_spec(args.model)
+
+
+def main(argv: list[str]) -> int:
+    from rfkit.conversion.headmap import atomic_write_json
+
+    args = build_parser().parse_args(argv)
+    validate(args)
+    device = args.torch_device
+    pair = load_pair(args.model, device)
+    result = run_cache(args, pair, device) if args.what == "cache" else run_speed(args, pair, device)
+    print(markdown(result))
+    if args.json_out:
+        atomic_write_json(args.json_out, result)
+        print(f"\nJSON: {args.json_out}", file=sys.stderr)
+    return 0

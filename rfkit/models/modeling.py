@@ -1,0 +1,476 @@
+"""The RecurFormer attention layer (paper Algorithm 1) and the converted HF model classes.
+
+Inside one attention layer, with query heads split into kept (att) and replaced (m)::
+
+    V     = W_V X                      # values of all KV heads (W_V kept whole)
+    Q     = W_Q^part X                 # query projection of kept heads only
+    K     = W_K^part X                 # key projection of the KV heads that kept heads use
+    X_att = Attention(Q, K, V[att])
+    X_m   = Mixer(V[m])                # all replaced heads of the layer in one block
+    out   = W_O concat(X_att, X_m)     # W_O kept whole, columns stored as [kept..., replaced...]
+
+``W_O``'s input columns are permuted once at conversion so that the kept heads' and the
+replaced heads' outputs are simply concatenated, instead of scattered back to head order on
+every forward. The cache holds K/V of the kept KV heads only; the mixer's constant-size state
+lives beside it (see :mod:`rfkit.models.cache`).
+
+Padding: attention sees padding through the usual 4-D mask, but a recurrent mixer would fold
+pad tokens into its state. The converted ``*ForCausalLM.forward`` therefore hands the current
+chunk's 2-D token mask ``(B, L)`` down to every layer as the keyword :data:`TOKEN_MASK_KWARG`
+(transformers forwards unknown keywords from the CausalLM through the decoder model and layers
+to ``self_attn``), only when that chunk contains padding; the mixer then skips the pad tokens
+(``MambaBlock.forward(..., mask=...)``), so a left-padded prompt leaves the same state as the
+unpadded one. One-token decode steps never carry padding and keep using ``mixer.step``.
+
+Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mistral`` /
+``rf_qwen2``, registered with the Auto classes when ``rfkit`` is imported, so
+``AutoModelForCausalLM.from_pretrained(dir)`` restores them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaForCausalLM,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from rfkit.models.cache import mixer_state_store
+from rfkit.models.layout import AttentionLayout
+from rfkit.conversion.operators import ReplacementOperator
+
+log = logging.getLogger(__name__)
+
+# Keyword under which the converted CausalLM passes the current chunk's token mask (B, L), 1 for
+# real tokens, down to RecurFormerAttention. Present only when the chunk holds padding. A caller
+# may also pass it to ``forward`` / ``generate`` as a full 2-D mask (B, past + L), which then takes
+# precedence over ``attention_mask`` (generate does so itself for compileable caches, whose
+# ``attention_mask`` arrives already converted to 4-D).
+TOKEN_MASK_KWARG = "rf_token_mask"
+
+
+def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The last ``length`` columns of a 2-D token mask when they contain padding, else None.
+
+    None also for one-token chunks (decode steps cannot hold padding; the mixer's ``step`` runs)
+    and for masks that are not 2-D or shorter than the chunk. The padding check is one host sync
+    per forward of a multi-token chunk (prefill), none per decode step.
+    """
+    if mask is None or length <= 1 or mask.dim() != 2 or mask.shape[-1] < length:
+        return None
+    chunk = mask[:, -length:]
+    return None if bool(chunk.all()) else chunk
+
+
+def _biases(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias) of the family's attention projections."""
+    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
+    if model_type == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
+    window = getattr(config, "sliding_window", None)
+    if model_type == "qwen2":
+        types = getattr(config, "layer_types", None)
+        return window if types is not None and types[layer_idx] == "sliding_attention" else None
+    if model_type == "mistral":
+        return window
+    return None
+
+
+class RecurFormerAttention(nn.Module):
+    """An attention layer whose ``replaced`` query heads run through one mixer block."""
+
+    def __init__(self, config, layer_idx: int, replaced: list[int], operator: ReplacementOperator):
+        super().__init__()
+        layout = AttentionLayout.from_config(config)
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim, self.num_heads = layout.head_dim, layout.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
+        self.is_causal = True
+        self.sliding_window = _sliding_window(config, layer_idx)
+
+        replaced = sorted(set(replaced))
+        kept = [h for h in range(layout.num_heads) if h not in replaced]
+        kept_kv = sorted({layout.kv_head_of(h) for h in kept})
+        mixer_kv = sorted({layout.kv_head_of(h) for h in replaced})
+        self.kept_heads, self.replaced_heads = kept, replaced
+        self.kept_kv_heads, self.mixer_kv_heads = kept_kv, mixer_kv
+
+        # Kept query heads per kept KV head. When every kept KV head serves the same number of
+        # kept query heads (always so for kv_group selection), attention uses GQA directly;
+        # otherwise K/V are gathered per query head.
+        per_kv = [sum(layout.kv_head_of(h) == g for h in kept) for g in kept_kv]
+        self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
+        self._gather = bool(per_kv) and len(set(per_kv)) != 1
+        # Index lists as plain attributes, not buffers: from_pretrained builds modules on the
+        # meta device and would leave non-persistent buffers uninitialised.
+        self.kv_for_query = [kept_kv.index(layout.kv_head_of(h)) for h in kept]
+        self._index_cache: dict = {}
+
+        qkv_bias, o_bias = _biases(config)
+        hd, hidden = layout.head_dim, layout.hidden_size
+        self.q_proj = nn.Linear(hidden, len(kept) * hd, bias=qkv_bias) if kept else None
+        self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
+        self.v_proj = nn.Linear(hidden, layout.num_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
+        # operators that keep attending (inputs "qkv") read the replaced heads' own queries and
+        # keys: their pretrained projections stay, as mq_proj / mk_proj
+        self.mixer_reads_qk = getattr(operator, "inputs", "values") == "qkv"
+        self.mq_proj = self.mk_proj = None
+        if self.mixer_reads_qk:
+            self.mq_proj = nn.Linear(hidden, len(replaced) * hd, bias=qkv_bias)
+            self.mk_proj = nn.Linear(hidden, len(mixer_kv) * hd, bias=qkv_bias)
+            kv_for_query = [mixer_kv.index(layout.kv_head_of(h)) for h in replaced]
+            d_in = (len(replaced) + 2 * len(mixer_kv)) * hd
+            self.mixer = operator.build(
+                d_in, len(replaced) * hd, layer_idx, kv_for_query=kv_for_query, head_dim=hd, scaling=self.scaling
+            )
+        else:
+            self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
+
+    # -- conversion -------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_from_attention(self, attn: nn.Module) -> None:
+        """Copy the pretrained projections of an HF attention module (sliced / permuted)."""
+        hd = self.head_dim
+
+        def rows(weight, heads):
+            return torch.cat([weight[h * hd : (h + 1) * hd] for h in heads]) if heads else weight[:0]
+
+        # kept heads' Q/K, and (window operators) the replaced heads' own Q/K
+        for q_proj, k_proj, heads, kv_heads in (
+            (self.q_proj, self.k_proj, self.kept_heads, self.kept_kv_heads),
+            (self.mq_proj, self.mk_proj, self.replaced_heads, self.mixer_kv_heads),
+        ):
+            if q_proj is None:
+                continue
+            for mine, theirs, picked in ((q_proj, attn.q_proj, heads), (k_proj, attn.k_proj, kv_heads)):
+                mine.weight.copy_(rows(theirs.weight, picked))
+                if mine.bias is not None:
+                    mine.bias.copy_(rows(theirs.bias, picked))
+        self.v_proj.load_state_dict(attn.v_proj.state_dict())
+        order = self.kept_heads + self.replaced_heads
+        self.o_proj.weight.copy_(torch.cat([attn.o_proj.weight[:, h * hd : (h + 1) * hd] for h in order], dim=1))
+        if self.o_proj.bias is not None:
+            self.o_proj.bias.copy_(attn.o_proj.bias)
+        self.to(attn.v_proj.weight.device)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        # earlier transformers 5 releases pass the cache to attention as ``past_key_values``,
+        # 5.24 as ``cache``: accept both
+        past_key_values = cache if cache is not None else past_key_values
+        # (B, L) token mask of this chunk, set by the converted CausalLM only when it holds padding;
+        # popped so that the attention interface never sees it.
+        token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
+        B, L, _ = hidden_states.shape
+        hd = self.head_dim
+        values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
+        outputs = []
+        if self.q_proj is not None:
+            query = self.q_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hq_kept, L, hd)
+            key = self.k_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hkv_kept, L, hd)
+            value = values.index_select(2, self._index("kept_kv_heads", values.device)).transpose(1, 2)  # (B, Hkv_kept, L, hd)
+            cos, sin = position_embeddings
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, self.layer_idx)
+            if self._gather:
+                gather = self._index("kv_for_query", key.device)
+                key, value = key.index_select(1, gather), value.index_select(1, gather)
+            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            attn_out, _ = attention(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
+            outputs.append(attn_out.reshape(B, L, -1))  # (B, L, Hq_kept * hd)
+        elif past_key_values is not None:
+            # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
+            empty = values.new_zeros(B, 0, L, hd)
+            past_key_values.update(empty, empty, self.layer_idx)
+            _count_headless_tokens(past_key_values, self.layer_idx)
+        mixer_in = self.mixer_input(hidden_states, position_embeddings, values)
+        outputs.append(self._mix(mixer_in, past_key_values, token_mask))  # (B, L, Hq_m * hd)
+        return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
+
+    def mixer_input(self, hidden_states: torch.Tensor, position_embeddings, values: torch.Tensor | None = None) -> torch.Tensor:
+        """What the mixer reads (B, L, d_in): the replaced heads' KV-head values, preceded for
+        ``qkv`` operators by their rotated queries and keys. ``values`` (B, L, Hkv, hd) are all KV
+        heads' values when the caller has them already. Attention transfer calls this on the
+        original model's hidden states, so a mixer is fitted on exactly what it will be fed."""
+        B, L, _ = hidden_states.shape
+        hd = self.head_dim
+        if values is None:
+            values = self.v_proj(hidden_states).view(B, L, -1, hd)
+        mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        if not self.mixer_reads_qk:
+            return mixer_in
+        mq = self.mq_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+        mk = self.mk_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
+        mq, mk = apply_rotary_pos_emb(mq, mk, *position_embeddings)
+        return torch.cat([mq.transpose(1, 2).reshape(B, L, -1), mk.transpose(1, 2).reshape(B, L, -1), mixer_in], dim=-1)
+
+    def _index(self, name: str, device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._index_cache:
+            self._index_cache[key] = torch.tensor(getattr(self, name), dtype=torch.long, device=device)
+        return self._index_cache[key]
+
+    def _mix(self, x: torch.Tensor, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the mixer on x (B, L, d_in). ``mask`` (B, L), 1 for real tokens, is given only when
+        the chunk holds padding; it is then passed on as ``mixer(..., mask=mask)`` so pad tokens
+        leave the state untouched (mixers without padding support are never sent a mask for
+        unpadded input)."""
+        extra = {} if mask is None else {"mask": mask}
+        if cache is None:
+            return self.mixer(x, **extra)
+        store = mixer_state_store(cache)
+        state = store.get(self.layer_idx)
+        if state is None:
+            out, state = self.mixer(x, return_states=True, **extra)
+        elif x.shape[1] == 1:
+            # A decode step: one real token (padding only ever precedes a prompt).
+            out, *state = self.mixer.step(x, *state)
+        else:
+            out, state = self.mixer(x, *state, return_states=True, **extra)
+        store[self.layer_idx] = tuple(state)
+        return out
+
+
+class _HeadlessDynamicLayer(DynamicLayer):
+    """The ``DynamicLayer`` of a layer with no kept heads: its K/V have zero heads.
+
+    ``DynamicLayer.get_seq_length`` answers 0 for empty (``numel() == 0``) tensors, so a
+    zero-head layer would report an empty cache. When that layer is layer 0, which is the one the
+    model asks for the past length, positions of later chunks restart at 0 (when ``position_ids``
+    are not given) and the 4-D mask built for decode steps covers 1 key instead of all of them
+    (left-padded ``generate`` then attends to pad tokens). This layer reports the number of tokens
+    recorded instead; everything else (crop, reorder, reset) is ``DynamicLayer``'s.
+    """
+
+    def get_seq_length(self) -> int:
+        keys = self.keys if self.is_initialized else None
+        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+
+
+def _count_headless_tokens(cache, layer_idx: int) -> None:
+    """Make the cache layer of a no-kept-heads layer count its tokens (see _HeadlessDynamicLayer).
+
+    Only plain ``DynamicLayer`` needs it: static and sliding layers count with
+    ``cumulative_length`` already.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
+        layers[layer_idx].__class__ = _HeadlessDynamicLayer
+
+
+# -- conversion of a loaded model -------------------------------------------------------------
+def decoder_layers(model) -> nn.ModuleList:
+    return model.get_decoder().layers
+
+
+def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator) -> dict[int, nn.Module]:
+    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer.
+
+    Returns the original attention modules that were swapped out, by layer index (the shared
+    teacher of :mod:`rfkit.training.teacher` puts them back to run the original model).
+    """
+    layers = decoder_layers(model)
+    originals = {}
+    for layer_idx, heads in enumerate(selected):
+        if not heads:
+            continue
+        old = layers[layer_idx].self_attn
+        new = RecurFormerAttention(model.config, layer_idx, heads, operator)
+        new.to(dtype=old.v_proj.weight.dtype)
+        new.load_from_attention(old)
+        layers[layer_idx].self_attn = new
+        originals[layer_idx] = old
+    return originals
+
+
+# -- HF classes for converted models ----------------------------------------------------------
+_FAMILIES = {}
+
+
+# The name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
+# ``past_key_values`` before. Our overrides accept both (generate() validates user kwargs
+# against their signatures) and hand the cache on under the installed name.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _pass_cache(kwargs: dict, cache, past_key_values) -> None:
+    given = cache if cache is not None else past_key_values
+    if given is not None:  # only when given: 5.24 warns on the old name even when it is None
+        kwargs[_CACHE_ARG] = given
+
+
+def _family_classes(base_config_cls, base_model_cls, family: str):
+    class RFConfig(base_config_cls):
+        model_type = f"rf_{family}"
+
+        def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type=family, **kwargs):
+            super().__init__(**kwargs)
+            self.rf_selected = rf_selected or []
+            self.rf_operator = rf_operator or {}
+            self.rf_base_model_type = rf_base_model_type
+
+    class RFForCausalLM(base_model_cls):
+        config_class = RFConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            if config.rf_selected:
+                convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
+
+        # The explicit signature matters: generate() inspects forward's parameters (it only builds
+        # position_ids for left-padded batches when ``position_ids`` is one of them).
+        def forward(
+            self,
+            input_ids=None,
+            attention_mask=None,
+            position_ids=None,
+            past_key_values=None,
+            inputs_embeds=None,
+            labels=None,
+            cache=None,
+            use_cache=None,
+            logits_to_keep=0,
+            **kwargs,
+        ):
+            """The base model's forward, plus: the current chunk's 2-D token mask reaches the mixers
+            (as ``TOKEN_MASK_KWARG``) when the chunk contains padding."""
+            full_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
+            if full_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                full_mask = attention_mask
+            tokens = input_ids if input_ids is not None else inputs_embeds
+            chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
+            if chunk_mask is not None:
+                kwargs[TOKEN_MASK_KWARG] = chunk_mask
+            _pass_cache(kwargs, cache, past_key_values)
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+
+        def prepare_inputs_for_generation(
+            self,
+            input_ids,
+            next_sequence_length=None,
+            past_key_values=None,
+            attention_mask=None,
+            inputs_embeds=None,
+            is_first_iteration=False,
+            cache=None,
+            **kwargs,
+        ):
+            """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
+            does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
+            ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
+            _pass_cache(kwargs, cache, past_key_values)
+            inputs = super().prepare_inputs_for_generation(
+                input_ids,
+                next_sequence_length=next_sequence_length,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                is_first_iteration=is_first_iteration,
+                **kwargs,
+            )
+            given = inputs.get("attention_mask")
+            if (
+                isinstance(attention_mask, torch.Tensor)
+                and attention_mask.dim() == 2
+                and not (isinstance(given, torch.Tensor) and given.dim() == 2)
+            ):
+                inputs[TOKEN_MASK_KWARG] = attention_mask
+            return inputs
+
+    RFConfig.__name__ = RFConfig.__qualname__ = f"RecurFormer{base_config_cls.__name__}"
+    RFForCausalLM.__name__ = RFForCausalLM.__qualname__ = f"RecurFormer{base_model_cls.__name__}"
+    return RFConfig, RFForCausalLM
+
+
+def _register_families() -> None:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    for family, cfg_cls, model_cls in (
+        ("llama", LlamaConfig, LlamaForCausalLM),
+        ("mistral", MistralConfig, MistralForCausalLM),
+        ("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    ):
+        rf_cfg, rf_model = _family_classes(cfg_cls, model_cls, family)
+        globals()[rf_cfg.__name__], globals()[rf_model.__name__] = rf_cfg, rf_model
+        rf_cfg.__module__ = rf_model.__module__ = __name__
+        AutoConfig.register(rf_cfg.model_type, rf_cfg, exist_ok=True)
+        AutoModelForCausalLM.register(rf_cfg, rf_model, exist_ok=True)
+        _FAMILIES[family] = (rf_cfg, rf_model)
+
+
+_register_families()
+
+
+def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperator):
+    """Convert a loaded HF model in place and turn it into its ``rf_*`` class; returns it.
+
+    The swapped-out original attention modules stay reachable as ``model.rf_originals`` (a plain
+    attribute: not a submodule, so never saved, moved or trained with the model)."""
+    layout = AttentionLayout.from_config(model.config)
+    rf_cfg_cls, rf_model_cls = _FAMILIES[layout.model_type]
+    originals = convert_attention(model, selected, operator)
+    old = model.config
+    fields = {k: v for k, v in old.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    new = rf_cfg_cls(rf_selected=[list(s) for s in selected], rf_operator=operator.to_dict(), **fields)
+    new._attn_implementation = old._attn_implementation
+    new.architectures = [rf_model_cls.__name__]
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
+    model.__class__ = rf_model_cls
+    model.config = new
+    object.__setattr__(model, "rf_originals", originals)
+    return model

@@ -1,0 +1,127 @@
+/* Mamba (S6) on the CPU: the selective scan for prefill and the whole recurrent decode step.
+ *
+ * rfkit compiles this file on first use with the system C compiler (see rfkit/ops/cpu_kernels.py)
+ * and calls it through ctypes; the pure-PyTorch scans in rfkit/models/mamba.py are its twins and the
+ * tests compare the two. Inference only (no backward).
+ *
+ * Layouts, all float32 and contiguous:
+ *   u, delta, z, y : (batch, dim, length)      delta already includes bias and softplus
+ *   A              : (dim, n)
+ *   Bt, Ct         : (batch, length, n)        B and C transposed so one token's n values are adjacent
+ *   Dskip          : (dim,)                    may be NULL
+ *   z              : may be NULL (no gate)
+ *   h              : (batch, dim, n)           initial state in, last state out
+ *
+ * Rows row_begin..row_end-1 of the flattened (batch * dim) channels are processed, so callers
+ * can split the work between threads.
+ *
+ *   h_t = exp(delta_t * A) * h_{t-1} + delta_t * u_t * B_t
+ *   y_t = (<C_t, h_t> + Dskip * u_t) * silu(z_t)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void rf_selective_scan_f32(const float *u, const float *delta, const float *A, const float *Bt,
+                           const float *Ct, const float *Dskip, const float *z, float *h, float *y,
+                           int64_t dim, int64_t length, int64_t n, int64_t row_begin,
+                           int64_t row_end) {
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const int64_t b = row / dim, d = row % dim;
+        const float *u_r = u + row * length, *dt_r = delta + row * length;
+        const float *z_r = z ? z + row * length : 0;
+        float *y_r = y + row * length;
+        float *h_r = h + row * n;
+        const float *A_d = A + d * n;
+        const float *B_b = Bt + b * length * n, *C_b = Ct + b * length * n;
+        const float skip = Dskip ? Dskip[d] : 0.0f;
+        for (int64_t t = 0; t < length; ++t) {
+            const float dt = dt_r[t], x = u_r[t], dx = dt * x;
+            const float *B_t = B_b + t * n, *C_t = C_b + t * n;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < n; ++k) {
+                const float hk = expf(dt * A_d[k]) * h_r[k] + dx * B_t[k];
+                h_r[k] = hk;
+                acc += hk * C_t[k];
+            }
+            float out = acc + skip * x;
+            if (z_r) {
+                const float g = z_r[t];
+                out *= g / (1.0f + expf(-g));
+            }
+            y_r[t] = out;
+        }
+    }
+}
+
+static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
+
+/* torch.nn.functional.softplus with its default threshold 20 */
+static inline float softplus_f(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
+/* One decode token through everything between in_proj and out_proj:
+ *
+ *   conv_state <- shift left, append x;  xc = silu(<conv_state, conv_w> + conv_b)
+ *   [dt_raw, B, C] = x_proj_w @ xc;      dt = softplus(dt_proj_w @ dt_raw + dt_b)
+ *   h = exp(dt * A) * h + dt * xc * B    (A = -exp(A_log));   y = (<C, h> + Dskip * xc) * silu(z)
+ *
+ * xz        : (batch, 2 * di)       in_proj output, x then z
+ * conv_state: (batch, di, k)        updated in place
+ * ssm_state : (batch, di, n)        updated in place
+ * conv_w    : (di, k)   conv_b: (di,) or NULL
+ * x_proj_w  : (r + 2n, di)   dt_proj_w: (di, r)   dt_b: (di,)   A_log: (di, n)   Dskip: (di,)
+ * y         : (batch, di)           output (before out_proj)
+ * Returns 0, or -1 when the work buffer cannot be allocated.
+ */
+int rf_mamba_step_f32(const float *xz, float *conv_state, float *ssm_state, const float *conv_w,
+                      const float *conv_b, const float *x_proj_w, const float *dt_proj_w,
+                      const float *dt_b, const float *A_log, const float *Dskip, float *y,
+                      int64_t batch, int64_t di, int64_t k, int64_t n, int64_t r) {
+    const int64_t nx = r + 2 * n;
+    float *xc = (float *)malloc(sizeof(float) * (size_t)(di + nx));
+    if (!xc) return -1;
+    float *xdbl = xc + di;
+    for (int64_t b = 0; b < batch; ++b) {
+        const float *x = xz + b * 2 * di, *z = x + di;
+        float *cs = conv_state + b * di * k, *h = ssm_state + b * di * n;
+        for (int64_t d = 0; d < di; ++d) {
+            float *c = cs + d * k;
+            float acc = conv_b ? conv_b[d] : 0.0f;
+            for (int64_t j = 0; j + 1 < k; ++j) {
+                c[j] = c[j + 1];
+                acc += c[j] * conv_w[d * k + j];
+            }
+            c[k - 1] = x[d];
+            acc += x[d] * conv_w[d * k + k - 1];
+            xc[d] = silu_f(acc);
+        }
+        for (int64_t j = 0; j < nx; ++j) {
+            const float *w = x_proj_w + j * di;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < di; ++d) acc += w[d] * xc[d];
+            xdbl[j] = acc;
+        }
+        const float *Bv = xdbl + r, *Cv = xdbl + r + n;
+        float *y_b = y + b * di;
+        for (int64_t d = 0; d < di; ++d) {
+            const float *w = dt_proj_w + d * r;
+            float v = dt_b[d];
+            for (int64_t q = 0; q < r; ++q) v += w[q] * xdbl[q];
+            const float dt = softplus_f(v), dx = dt * xc[d];
+            const float *al = A_log + d * n;
+            float *hd = h + d * n;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t q = 0; q < n; ++q) {
+                const float hq = expf(-dt * expf(al[q])) * hd[q] + dx * Bv[q];
+                hd[q] = hq;
+                acc += hq * Cv[q];
+            }
+            y_b[d] = (acc + Dskip[d] * xc[d]) * silu_f(z[d]);
+        }
+    }
+    free(xc);
+    return 0;
+}

@@ -1,0 +1,3 @@
+"""Training a converted model: the LightningModule, freezing, distillation from the original,
+attention transfer, LoRA and checkpoints.
+"""

@@ -1,0 +1,120 @@
+"""Distillation from the original model during continual training (the ``distill:`` section).
+
+The loss is a weighted sum of three terms, each optional:
+
+- ``ce``: next-token cross-entropy on the data (the paper's continual-training loss);
+- ``kl``: KL(teacher || student) on the next-token distributions at temperature ``T``,
+  multiplied by ``T**2`` (so its gradient scale does not depend on ``T``);
+- ``hidden``: mean over layers of the MSE between student and teacher hidden states, each
+  relative to the teacher's mean square at that layer.
+
+The teacher is the original model, run through :class:`rfkit.training.teacher.SharedTeacher`: it
+shares every module the student did not replace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rfkit.errors import RFKitError
+
+
+class DistillError(RFKitError):
+    """A bad distillation setting; one line for the user."""
+
+
+@dataclass
+class DistillConfig:
+    """The ``distill:`` section of a recipe.
+
+    Args:
+        ce: Weight of the next-token cross-entropy.
+        kl: Weight of the logit KL to the teacher.
+        temperature: Softmax temperature of the KL term.
+        hidden: Weight of the per-layer hidden-state MSE to the teacher.
+        share_modules: Run the teacher inside the student, sharing its unchanged modules
+            (``false``: a frozen full copy, needed only when shared weights are trained).
+    """
+
+    ce: float = 1.0
+    kl: float = 1.0
+    temperature: float = 1.0
+    hidden: float = 0.0
+    share_modules: bool = True
+
+    def __post_init__(self):
+        for name in ("ce", "kl", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise DistillError(f"model.distill.{name}: {value!r} is not allowed; must be a number >= 0")
+        if self.ce == 0 and self.kl == 0 and self.hidden == 0:
+            raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise DistillError(f"model.distill.temperature: {t!r} is not allowed; must be a number > 0")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.kl > 0 or self.hidden > 0
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) at ``temperature``, times ``temperature**2``.
+
+    Logits are (B, L, V); ``mask`` (B, L) selects the positions that count (default all).
+    """
+    t = float(temperature)
+    log_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    per_position = (log_t.exp() * (log_t - log_s)).sum(-1)  # (B, L)
+    if mask is not None:
+        mask = mask.to(per_position.dtype)
+        return (per_position * mask).sum() / mask.sum().clamp_min(1) * t * t
+    return per_position.mean() * t * t
+
+
+def hidden_loss(student_hidden, teacher_hidden) -> torch.Tensor:
+    """Mean over layers of MSE(student, teacher) / mean(teacher**2) (the embeddings excluded)."""
+    terms = [
+        F.mse_loss(s.float(), t.float()) / t.float().pow(2).mean().clamp_min(1e-12)
+        for s, t in zip(student_hidden[1:], teacher_hidden[1:])
+    ]
+    return torch.stack(terms).mean()
+
+
+def training_loss(model, batch: dict, config: DistillConfig | None = None, teacher=None) -> tuple[torch.Tensor, dict]:
+    """The training loss of one batch and its logged parts (``ce``, ``kl``, ``hidden``).
+
+    Without ``config`` this is plain next-token cross-entropy (the paper's). ``teacher`` (a
+    :class:`rfkit.training.teacher.SharedTeacher`) is needed when ``config`` has a KL or hidden term.
+    """
+    from rfkit.training.module import summed_nll
+
+    ids = batch["input_ids"]
+    mask, labels = batch.get("attention_mask"), batch.get("labels")
+    need_hidden = config is not None and config.hidden > 0
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+    nll, n = summed_nll(out.logits, ids, labels)
+    ce = nll / n
+    if config is None:
+        return ce, {"ce": ce.detach()}
+    parts = {"ce": ce.detach()}
+    loss = config.ce * ce
+    if config.needs_teacher:
+        if teacher is None:
+            raise DistillError("model.distill: the kl and hidden terms need a teacher")
+        reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+        if config.kl > 0:
+            keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
+            kl = kl_loss(out.logits[:, :-1], reference.logits[:, :-1], config.temperature, keep)
+            loss = loss + config.kl * kl
+            parts["kl"] = kl.detach()
+        if need_hidden:
+            hidden = hidden_loss(out.hidden_states, reference.hidden_states)
+            loss = loss + config.hidden * hidden
+            parts["hidden"] = hidden.detach()
+    return loss, parts

@@ -1,0 +1,622 @@
+"""A thin LightningModule: convert a pretrained model, then train it with next-token loss.
+
+Policy, operator, optimizer and scheduler are injected from the recipe. The conversion runs
+in :meth:`configure_model`, so that the datamodule (calibration data) and the callbacks
+(which measure the original model first) are in place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from jsonargparse import lazy_instance
+
+from rfkit.training.distill import DistillConfig, training_loss
+from rfkit.training.lora import LoraSettings
+from rfkit.training.transfer import TransferConfig
+from rfkit.conversion.convert import (
+    build_head_map,
+    convert,
+    load_base_model,
+    param_counts,
+    parameter_delta,
+)
+from rfkit.conversion.headmap import HeadMap
+from rfkit.hub import SourceError, is_embedded, looks_like_path
+from rfkit.models.layout import AttentionLayout, LayoutError
+from rfkit.conversion.operators import MambaOperator, ReplacementOperator
+from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
+
+log = logging.getLogger(__name__)
+
+FREEZE_PRESETS = ("pretrained", "mixers", "lora", "none", "all")
+INIT_CHOICES = ("random", "from_attention")
+SHARED_TEACHER_FROZEN = (
+    "model.distill.share_modules: the teacher shares the pretrained weights that model.freeze trains; "
+    "freeze them (freeze: pretrained, mixers or lora) or set share_modules: false"
+)
+
+
+@dataclass
+class FreezeStage:
+    """One stage of a freeze schedule: ``freeze`` (as ``model.freeze``) for ``steps`` optimiser
+    steps; ``steps: null`` (only on the last stage) lasts to the end of training."""
+
+    freeze: str | list[str] = "pretrained"
+    steps: int | None = None
+
+
+def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL in float32 (log-softmax via cross_entropy) and the token count.
+
+    ``labels`` (same shape as ``input_ids``, -100 where no loss is wanted, as in transformers)
+    restricts the loss, for example to the completion of a prompt; by default every next
+    token counts.
+    """
+    shift_logits = logits[:, :-1].float()
+    targets = (input_ids if labels is None else labels)[:, 1:]
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), targets.reshape(-1), reduction="sum", ignore_index=-100
+    )
+    return nll, int((targets != -100).sum()) if labels is not None else targets.numel()
+
+
+class RecurFormerModule(L.LightningModule):
+    """Convert ``base_model`` with ``policy`` and ``operator``, then continue training it.
+
+    Args:
+        base_model: HF model id, local directory, or ``embedded:smollm2-135m-instruct``.
+        policy: Which heads to replace (a ``HeadSelectionPolicy`` subclass).
+        operator: What replaced heads become (a ``ReplacementOperator`` subclass).
+        freeze: ``pretrained`` freezes the pretrained weights (the new blocks and LoRA adapters
+            train); ``mixers`` trains only the new blocks; ``lora`` only the adapters; ``none``
+            trains everything; ``all`` nothing; or a list of glob patterns of parameter names
+            to freeze (for example ``["model.embed_tokens.*", "lm_head.*"]``).
+        freeze_schedule: Stages that replace ``freeze`` step by step, for example
+            ``[{freeze: mixers, steps: 20}, {freeze: pretrained}]``.
+        init: How the new blocks start: ``random`` (the paper) or ``from_attention`` (from the
+            replaced heads' weights; see the operator's ``init_from_attention``).
+        transfer: Attention transfer before training (:class:`rfkit.training.transfer.TransferConfig`);
+            also runs in ``rfkit convert``.
+        distill: Distillation losses (:class:`rfkit.training.distill.DistillConfig`); default plain CE.
+        lora: LoRA adapters on kept projections (:class:`rfkit.training.lora.LoraSettings`), merged on save.
+        gradient_checkpointing: Recompute decoder layers in the backward pass instead of keeping
+            their activations (HF's non-reentrant checkpointing): less memory, about a third
+            more compute. For long sequences on GPUs.
+        head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
+            (the same as ``policy: rfkit.conversion.policies.FromHeadMap``).
+        reuse_profile: Reuse a cached profile for the same model, data and settings.
+        dtype: Weight dtype the base model loads in.
+        trust_remote_code: Passed to transformers; off unless you trust the model's code.
+        optimizer: Optimizer factory, called with the trainable parameters (default AdamW, lr 1e-3).
+        lr_scheduler: Optional scheduler factory, called with the optimizer; stepped per step.
+    """
+
+    def __init__(
+        self,
+        base_model: str = "embedded:smollm2-135m-instruct",
+        policy: HeadSelectionPolicy = lazy_instance(RecencyRatioPolicy),
+        operator: ReplacementOperator = lazy_instance(MambaOperator),
+        freeze: str | list[str] = "pretrained",
+        freeze_schedule: list[FreezeStage] | None = None,
+        init: Literal["random", "from_attention"] = "random",
+        transfer: TransferConfig | None = None,
+        distill: DistillConfig | None = None,
+        lora: LoraSettings | None = None,
+        gradient_checkpointing: bool = False,
+        head_map: str | None = None,
+        reuse_profile: bool = True,
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        trust_remote_code: bool = False,
+        optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
+    ):
+        super().__init__()
+        self.base_model = base_model
+        self.policy, self.operator = policy, operator
+        if not isinstance(self.policy, HeadSelectionPolicy):
+            raise PolicyError(f"model.policy: {type(self.policy).__name__} is not a HeadSelectionPolicy subclass")
+        from rfkit.conversion.policies import check_all_heads
+
+        check_all_heads(self.policy)  # beta = 1 needs allow_all_heads: true (the paper: quality is destroyed)
+        if not isinstance(self.operator, ReplacementOperator):
+            raise PolicyError(f"model.operator: {type(self.operator).__name__} is not a ReplacementOperator subclass")
+        if isinstance(freeze, str) and freeze not in FREEZE_PRESETS:
+            raise PolicyError(
+                f"model.freeze: {freeze!r} is not allowed; allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
+            )
+        self.freeze = freeze
+        self.freeze_schedule = check_schedule(freeze_schedule)
+        if init not in INIT_CHOICES:
+            raise PolicyError(f"model.init: {init!r} is not allowed; allowed: {', '.join(INIT_CHOICES)}")
+        self.init = init
+        self.transfer_config = transfer
+        self.distill = distill
+        self.lora = lora
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        if distill is not None and distill.needs_teacher and distill.share_modules:
+            stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [freeze]
+            if "none" in stages:
+                raise PolicyError(SHARED_TEACHER_FROZEN)
+        self.teacher = None
+        self._stage = None
+        self.head_map_path = head_map
+        from rfkit.conversion.headmap import is_url
+
+        if head_map is not None and not is_url(head_map) and not Path(head_map).exists():
+            raise SourceError(f"model.head_map: path '{head_map}' does not exist")
+        self.reuse_profile = reuse_profile
+        self.dtype_name = dtype
+        self.trust_remote_code = trust_remote_code
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        check_model_source(base_model, trust_remote_code)
+
+        self.model = None
+        self.head_map: HeadMap | None = None
+        self.run_metrics: dict = {}  # filled by callbacks and by this module; summary.json reads it
+        self.train_tokens = 0
+        self.started = time.time()
+        self.resumed_from: str | None = None  # the checkpoint this run's architecture was rebuilt from
+        self._wall_before = 0.0  # seconds spent by the runs this one resumes
+        self._epoch_batches = 0  # training batches done in the current epoch (saved as the data position)
+        self._saved_step: int | None = None  # global step of the last checkpoint this run wrote
+        self._hold_by_grad = False  # freeze stages by dropping gradients (DDP/FSDP; see _improve)
+
+    # -- conversion ---------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Before ``fit`` loads anything: a training-free operator with a freeze setting that
+        trains nothing else is refused here rather than after the model has loaded."""
+        if stage != "fit" or getattr(self.operator, "trainable", True):
+            return
+        stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+        idle = {"mixers", "all"} | ({"pretrained", "lora"} if self.lora is None else set())
+        if all(isinstance(f, str) and f in idle for f in stages):
+            raise PolicyError(no_weights_message(self.operator, stages[0]))
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        resume = getattr(self._trainer, "rf_ckpt_path", None)
+        if resume:  # --ckpt_path: the converted architecture comes from the checkpoint
+            self.prepare_from_checkpoint(resume, datamodule, getattr(self._trainer, "rf_ckpt_meta", None))
+            return
+        self.prepare(datamodule, callbacks=self.trainer.callbacks if self._trainer is not None else [])
+
+    def _load_base(self):
+        """The base model; under FSDP moved to this rank's device for conversion (FSDP shards a
+        module that is already there), where single-device and DDP runs get it from Lightning."""
+        model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        if strategy is not None:
+            from lightning.pytorch.strategies import FSDPStrategy
+
+            if isinstance(strategy, FSDPStrategy):
+                model.to(strategy.root_device)
+        return model
+
+    def prepare_from_checkpoint(self, path: str, datamodule=None, meta: dict | None = None) -> None:
+        """Rebuild the converted model that checkpoint ``path`` was saved from: load the base
+        model, replace the heads of the checkpoint's head map with its operator, and add the
+        recipe's LoRA adapters, freezing and teacher. No profiling and no attention transfer:
+        Lightning loads the trained weights into this architecture next."""
+        from rfkit.training.checkpointing import read_meta
+
+        meta = meta or self.check_checkpoint(path, read_meta(path))  # the trainer has checked the meta it passes
+        head_map = HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")
+        model = self._load_base()
+        head_map.check_layout(AttentionLayout.from_config(model.config), "--ckpt_path", str(path))
+        self.model = convert(model, head_map, self.operator)
+        self.head_map = head_map
+        self.run_metrics.update(meta.get("run_metrics") or {})
+        self.resumed_from = str(path)
+        log.info(
+            "rebuilt the converted model from checkpoint %s (%d of %d query heads replaced); no profiling",
+            path, head_map.replaced_heads, head_map.total_heads,
+        )  # fmt: skip
+        self._improve(datamodule, restoring=True)
+        self.model.train()
+        if hasattr(datamodule, "resume_at"):  # the loader does resume mid-epoch (see on_load_checkpoint)
+            import warnings
+
+            from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+            warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before", PossibleUserWarning)
+
+    def check_checkpoint(self, path: str, meta: dict) -> dict:
+        """``meta`` (a checkpoint's rfkit entry) if this recipe can resume it; a one-line
+        :class:`CheckpointError` when the checkpoint was made with another operator or model."""
+        from rfkit.training.checkpointing import CheckpointError
+
+        ours, theirs = self.operator.to_dict(), meta.get("operator")
+        if theirs and theirs != ours:
+            raise CheckpointError(
+                f"--ckpt_path: '{path}' was trained with another model.operator ({_difference(theirs, ours)}); "
+                "resume with the recipe that made it"
+            )
+        if meta.get("base_model") not in (None, self.base_model):
+            raise CheckpointError(
+                f"--ckpt_path: '{path}' was converted from {meta['base_model']!r}, the recipe's model.base_model "
+                f"is {self.base_model!r}; resume with the recipe that made it"
+            )
+        HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")  # a readable map
+        return meta
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Put the converted architecture (head map, operator) and the run's state into the
+        checkpoint, as plain data that ``torch.load(weights_only=True)`` reads."""
+        from rfkit import __version__
+        from rfkit.training.checkpointing import META_FORMAT, META_KEY
+
+        if self.head_map is None:
+            return
+        self._saved_step = self.global_step
+        plain = lambda value: json.loads(json.dumps(value, default=float))  # noqa: E731  (no numpy / tensors)
+        checkpoint[META_KEY] = {
+            "format": META_FORMAT,
+            "rfkit_version": __version__,
+            "base_model": self.base_model,
+            "operator": self.operator.to_dict(),
+            "head_map": plain(asdict(self.head_map)),
+            "run_metrics": plain(self.run_metrics),
+            "train_tokens": int(self.train_tokens),
+            "wall_seconds": round(self._wall_before + time.time() - self.started, 1),
+            "data_position": {"epoch": int(self.current_epoch), "batches": int(self._epoch_batches)},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore what the checkpoint's run had counted and where its data stood."""
+        from rfkit.training.checkpointing import META_KEY
+
+        meta = checkpoint.get(META_KEY) or {}
+        self.train_tokens = int(meta.get("train_tokens", 0))
+        self._wall_before = float(meta.get("wall_seconds", 0.0))
+        self.run_metrics.update(meta.get("run_metrics") or {})
+        position = meta.get("data_position")
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if position and hasattr(datamodule, "resume_at"):
+            datamodule.resume_at(position["epoch"], position["batches"])
+
+    def prepare(self, datamodule=None, callbacks=()) -> None:
+        """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
+        ``on_after_convert`` see the original and the converted model."""
+        model = self._load_base()
+        policy = self.policy
+        if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
+            from rfkit.conversion.policies import FromHeadMap
+
+            policy = FromHeadMap.for_field(self.head_map_path, "model.head_map")
+        head_map = build_head_map(model, self.base_model, policy, datamodule, reuse=self.reuse_profile)
+        self.model = model
+        for cb in callbacks:
+            if hasattr(cb, "on_before_convert"):
+                cb.on_before_convert(self, datamodule)
+        before = param_counts(model)
+        self.model = convert(model, head_map, self.operator)
+        self.head_map = head_map
+        added, removed = parameter_delta(before, self.model)
+        self.run_metrics.update(
+            params_added=added,
+            params_removed=removed,
+            replaced_heads=head_map.replaced_heads,
+            total_heads=head_map.total_heads,
+        )
+        log.info(
+            "replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed
+        )
+        self._improve(datamodule)
+        self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
+        for cb in callbacks:
+            if hasattr(cb, "on_after_convert"):
+                cb.on_after_convert(self, datamodule)
+
+    def _improve(self, datamodule, restoring: bool = False) -> None:
+        """The quality methods that act on the freshly converted model, in order: init, transfer,
+        LoRA, freezing, and the teacher for distillation. ``restoring`` (a checkpoint's weights
+        follow) skips init and transfer."""
+        if self.init == "from_attention" and not restoring:
+            init_from_attention(self.model, self.operator)
+        trainable = getattr(self.operator, "trainable", True)
+        if self.transfer_config is not None and not trainable:
+            log.info("model.transfer: skipped, %s has no weights to learn", type(self.operator).__name__)
+        if self.transfer_config is not None and trainable and self.model.rf_originals and not restoring:
+            from rfkit.training.transfer import transfer
+
+            if datamodule is None or getattr(datamodule, "calibration", None) is None:
+                raise PolicyError("model.transfer: attention transfer needs calibration data (a data section)")
+            report = transfer(self.model, datamodule.calibration, self.transfer_config)
+            self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
+        if self.lora is not None:
+            from rfkit.training.lora import apply_lora
+
+            self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
+        if self.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Under DDP / FSDP a freeze schedule cannot switch requires_grad after wrapping (the
+        # wrapper would never all-reduce the newly unfrozen gradients, and ranks would drift):
+        # every stage's parameters keep requires_grad, and each step drops the gradients of those
+        # its stage holds (on_before_optimizer_step), which leaves them untouched by the optimizer.
+        self._hold_by_grad = bool(self.freeze_schedule) and self._trainer is not None and self.trainer.world_size > 1
+        if self._hold_by_grad:
+            names = set().union(*(trainable_names(self.model, st.freeze) for st in self.freeze_schedule))
+            for name, param in self.model.named_parameters():
+                param.requires_grad_(name in names)
+        else:
+            apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
+        self._stage = 0 if self.freeze_schedule else None
+        if self.distill is not None and self.distill.needs_teacher:
+            from rfkit.training.teacher import SharedTeacher
+
+            stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+            if self.distill.share_modules and any(trains_shared(self.model, f) for f in stages):
+                raise PolicyError(SHARED_TEACHER_FROZEN)
+            self.teacher = SharedTeacher(self.model, self.distill.share_modules)
+            self.run_metrics.update(self.teacher.memory())
+
+    # -- training -----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def _nll(self, batch) -> tuple[torch.Tensor, int]:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return summed_nll(logits, ids, batch.get("labels"))
+
+    def training_step(self, batch, batch_idx):
+        loss, parts = training_loss(self.model, batch, self.distill, self.teacher)
+        self._stop_unless_finite(loss, "loss")
+        self.train_tokens += batch["input_ids"].numel()
+        self._epoch_batches = batch_idx + 1
+        if self.distill is not None:
+            for name, value in parts.items():
+                self.log(f"train_{name}", value)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Stop before an optimizer step with non-finite gradients would spoil the weights (and
+        the next checkpoint). fp16 AMP skips such steps itself, so it is left to its scaler.
+        Under DDP with a freeze schedule, first drops the gradients of the parameters the
+        current stage holds (see ``_improve``)."""
+        if self._hold_by_grad:
+            freeze = self.freeze_schedule[self._stage].freeze
+            for name, param in self.model.named_parameters():
+                if param.grad is not None and not trains(name, freeze):
+                    param.grad = None
+        if self._trainer is not None and str(self.trainer.precision).startswith("16"):
+            return
+        norms = [p.grad.detach().float().norm() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if norms:
+            self._stop_unless_finite(torch.stack(norms).sum(), "gradient norm")
+
+    def _stop_unless_finite(self, value: torch.Tensor, what: str) -> None:
+        """Raise :class:`TrainingDiverged` on every rank if ``value`` is NaN or inf on any rank."""
+        from rfkit.training.checkpointing import TrainingDiverged
+
+        bad = not bool(torch.isfinite(value.detach()).all())
+        if self._trainer is not None:
+            bad = self.trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            return
+        step = self.global_step + 1 if self._trainer is not None else 0
+        shown = float(value.detach().float().sum())
+        raise TrainingDiverged(f"training: the {what} is {shown:g} at step {step}; stopped before the update. {self._last_good()}")
+
+    def _last_good(self) -> str:
+        callback = getattr(self._trainer, "checkpoint_callback", None) if self._trainer is not None else None
+        last = getattr(callback, "last_model_path", "") if callback is not None else ""
+        if last and Path(last).exists():
+            return (
+                f"The last good checkpoint is {last} (step {self._saved_step}): resume it with --ckpt_path last and a lower learning rate "
+                "(model.optimizer), or check the data"
+            )
+        return "No checkpoint was saved before it (checkpoint.every_n_train_steps); lower the learning rate or check the data"
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_batches = 0
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if not self.freeze_schedule:
+            return
+        stage = stage_at(self.freeze_schedule, self.global_step)
+        if stage != self._stage:
+            if not self._hold_by_grad:
+                apply_freeze(self.model, self.freeze_schedule[stage].freeze)
+            log.info("freeze schedule: step %d, stage %d (freeze %s)", self.global_step, stage, self.freeze_schedule[stage].freeze)
+            self._stage = stage
+
+    def validation_step(self, batch, batch_idx):
+        nll, n = self._nll(batch)
+        self.log("val_loss", nll / n, prog_bar=True, sync_dist=True)
+        return {"nll_sum": nll.detach(), "tokens": n}
+
+    def test_step(self, batch, batch_idx):
+        nll, n = self._nll(batch)
+        self.log("test_loss", nll / n, sync_dist=True)
+        return {"nll_sum": nll.detach(), "tokens": n}
+
+    def configure_optimizers(self):
+        stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+        names = set().union(*(trainable_names(self.model, f) for f in stages))
+        params = [p for n, p in self.model.named_parameters() if n in names]
+        if not params:
+            if not getattr(self.operator, "trainable", True):
+                raise PolicyError(no_weights_message(self.operator, self.freeze))
+            raise PolicyError("model.freeze: no parameter is left to train; use freeze: pretrained or none")
+        factory = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        optimizer = factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+def _difference(theirs: dict, ours: dict) -> str:
+    """What differs between two operator specs, as 'checkpoint X, recipe Y'."""
+    if theirs.get("class_path") != ours.get("class_path"):
+        return f"checkpoint {theirs.get('class_path')}, recipe {ours.get('class_path')}"
+    a, b = theirs.get("init_args") or {}, ours.get("init_args") or {}
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return "; ".join(f"{k}: checkpoint {a.get(k)!r}, recipe {b.get(k)!r}" for k in keys)
+
+
+def no_weights_message(operator, freeze) -> str:
+    return (
+        f"model.freeze: {type(operator).__name__} has no weights to train, so freeze {freeze!r} leaves nothing; "
+        "use rfkit convert (training-free), or freeze: none (or lora with a lora section) to fine-tune"
+    )
+
+
+def _is_new(name: str) -> bool:
+    return ".mixer." in name
+
+
+def _is_lora(name: str) -> bool:
+    return ".lora_" in name
+
+
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def trains(name: str, freeze: str | list[str]) -> bool:
+    """Whether parameter ``name`` trains under the ``freeze`` setting (see :class:`RecurFormerModule`).
+    FSDP and activation-checkpointing wrapper names are ignored, so patterns match either way."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    if freeze == "none":
+        return True
+    if freeze == "all":
+        return False
+    if freeze == "pretrained":
+        return _is_new(name) or _is_lora(name)
+    if freeze == "mixers":
+        return _is_new(name)
+    if freeze == "lora":
+        return _is_lora(name)
+    return not any(fnmatch.fnmatch(name, pattern) for pattern in freeze)
+
+
+def trainable_names(model, freeze: str | list[str]) -> set[str]:
+    return {name for name, _ in model.named_parameters() if trains(name, freeze)}
+
+
+def trains_shared(model, freeze: str | list[str]) -> bool:
+    """Whether ``freeze`` trains a pretrained weight that the shared teacher also uses."""
+    return any(not (_is_new(n) or _is_lora(n)) for n in trainable_names(model, freeze))
+
+
+def apply_freeze(model, freeze: str | list[str]) -> None:
+    """Set ``requires_grad`` per the ``freeze`` setting (see :class:`RecurFormerModule`)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains(name, freeze))
+
+
+def check_schedule(schedule: list[FreezeStage] | None) -> list[FreezeStage] | None:
+    """Validate a freeze schedule: presets or pattern lists, positive steps, open end last only."""
+    if not schedule:
+        return None
+    for i, stage in enumerate(schedule):
+        if isinstance(stage, dict):
+            stage = schedule[i] = FreezeStage(**stage)
+        if isinstance(stage.freeze, str) and stage.freeze not in FREEZE_PRESETS:
+            raise PolicyError(
+                f"model.freeze_schedule[{i}].freeze: {stage.freeze!r} is not allowed; "
+                f"allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
+            )
+        last = i == len(schedule) - 1
+        if stage.steps is None and not last:
+            raise PolicyError(f"model.freeze_schedule[{i}].steps: only the last stage may leave steps empty")
+        if stage.steps is not None and (isinstance(stage.steps, bool) or not isinstance(stage.steps, int) or stage.steps < 1):
+            raise PolicyError(f"model.freeze_schedule[{i}].steps: {stage.steps!r} is not allowed; must be an integer >= 1")
+    return list(schedule)
+
+
+def stage_at(schedule: list[FreezeStage], step: int) -> int:
+    """Index of the stage that covers optimiser step ``step`` (the last stage past the end)."""
+    end = 0
+    for i, stage in enumerate(schedule):
+        if stage.steps is None:
+            return i
+        end += stage.steps
+        if step < end:
+            return i
+    return len(schedule) - 1
+
+
+def init_from_attention(model, operator: ReplacementOperator) -> None:
+    """``init: from_attention``: every new block starts from the attention module it replaced."""
+    layers = model.get_decoder().layers
+    for i, original in model.rf_originals.items():
+        layer = layers[i].self_attn
+        operator.init_from_attention(layer.mixer, original, layer)
+
+
+def check_model_source(name: str, trust_remote_code: bool = False) -> None:
+    """Cheap checks before anything loads (config files only, never weights):
+
+    * a local directory exists, holds a readable ``config.json`` of a supported attention
+      layout, and safetensors weights (all shards of an index), none of them truncated;
+    * a hub id is well formed; offline (``HF_HUB_OFFLINE=1``) it must be complete in the
+      Hugging Face cache (not missing, not a half-finished download); a cached config is
+      checked for its layout as a local one is;
+    * the embedded name is the one rfkit ships.
+    """
+    from rfkit.hub import EMBEDDED_MODEL, check_hub_model, check_weight_files, missing_weights
+
+    if is_embedded(name):
+        if name != EMBEDDED_MODEL:
+            raise SourceError(f"model.base_model: unknown embedded model '{name}'; allowed: {EMBEDDED_MODEL}")
+        return
+    if looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise SourceError(f"model.base_model: path '{name}' does not exist")
+        if not path.is_dir():
+            raise SourceError(f"model.base_model: '{name}' is a file; give a HF model directory (with config.json)")
+        if not (path / "config.json").exists():
+            raise SourceError(f"model.base_model: '{name}' has no config.json (not a HF model directory)")
+        _check_config_dir(path, name, trust_remote_code)
+        missing = missing_weights(path)
+        if missing:
+            raise SourceError(
+                f"model.base_model: '{name}' has no weights ({', '.join(missing)} missing); "
+                "rfkit loads safetensors (save the model with save_pretrained)"
+            )
+        check_weight_files(path, name)
+        return
+    snapshot = check_hub_model(name)
+    if snapshot is not None:
+        _check_config_dir(snapshot, name, trust_remote_code)
+        check_weight_files(snapshot, name)
+
+
+def _check_config_dir(path: Path, name: str, trust_remote_code: bool) -> None:
+    """``path/config.json`` is JSON that transformers reads, of an attention layout rfkit knows."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise SourceError(f"model.base_model: cannot read {path / 'config.json'}: {' '.join(str(err).split())}") from None
+    if not isinstance(raw, dict):
+        raise SourceError(f"model.base_model: {path / 'config.json'} holds a {type(raw).__name__}, not a config object")
+    model_type = raw.get("model_type")
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, TypeError) as err:
+        raise LayoutError(
+            f"model.base_model: cannot read the config of '{name}' (model_type {model_type!r}): {' '.join(str(err).split())}"
+        ) from None
+    AttentionLayout.from_config(config)

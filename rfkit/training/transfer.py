@@ -1,0 +1,304 @@
+"""Attention transfer: each new block learns, layer by layer, what the heads it replaces computed.
+
+For every converted layer the original model's replaced heads produce an attention output
+(before ``W_O``) from the values of their KV heads; the layer's new block sees the same values.
+Transfer captures both once, from the original model on calibration blocks (one forward per
+block, no gradient), then trains every block to reproduce its layer's output with MSE, all
+layers side by side and independently (each block's loss reaches only its own parameters), as
+LoLCATs does for linear attention. No full-model backward runs: each step costs a few small
+block forwards and backwards.
+
+Before the gradient steps, ``readout: lstsq`` sets each block's output projection to the
+least-squares fit of the target from the block's features (closed form, ridge-regularised),
+so training starts from the best linear read-out of the initial block.
+
+Per-layer MSE is reported before and after, relative to the target's mean square (1.0 is what
+a block that outputs zeros scores).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rfkit.errors import RFKitError
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RFKitError):
+    """A bad transfer setting; one line for the user."""
+
+
+@dataclass
+class TransferConfig:
+    """The ``transfer:`` section of a recipe.
+
+    Args:
+        steps: Optimiser steps (each step trains every converted layer's block on one batch).
+        lr: AdamW learning rate (cosine decay to 10% over ``steps``).
+        samples: Calibration blocks captured as training data (at most the datamodule's).
+        batch_size: Blocks per step.
+        seq_len: Train on random windows of this many tokens (``None``: whole blocks).
+        readout: ``lstsq`` solves each block's output projection in closed form first; ``none``
+            starts from the block's initialisation.
+        ridge: Ridge term of the least-squares read-out, relative to the features' mean power.
+        space: Where the MSE is measured: ``heads`` (the replaced heads' outputs before
+            ``W_O``) or ``output`` (after the layer's ``W_O``, the part of the residual update
+            the replaced heads made: directions ``W_O`` ignores cost nothing). The read-out solve
+            is the same in both.
+        time_limit: Seconds for the whole transfer stage (capture, read-out, training): training
+            stops when they are spent even if ``steps`` are not done (``None``: no limit); the
+            report says how many steps ran.
+    """
+
+    steps: int = 200
+    lr: float = 3e-3
+    samples: int = 32
+    batch_size: int = 4
+    seq_len: int | None = None
+    readout: str = "lstsq"
+    ridge: float = 1e-3
+    space: str = "heads"
+    time_limit: float | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "samples", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
+                low = 0 if name == "steps" else 1
+                raise TransferError(f"model.transfer.{name}: {value!r} is not allowed; must be an integer >= {low}")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise TransferError(f"model.transfer.seq_len: {self.seq_len!r} is not allowed; must be an integer >= 2 or null")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise TransferError(f"model.transfer.lr: {self.lr!r} is not allowed; must be a number > 0")
+        if self.space not in ("heads", "output"):
+            raise TransferError(f"model.transfer.space: {self.space!r} is not allowed; allowed: heads, output")
+        if self.readout not in ("lstsq", "none"):
+            raise TransferError(f"model.transfer.readout: {self.readout!r} is not allowed; allowed: lstsq, none")
+        if self.time_limit is not None and not (isinstance(self.time_limit, (int, float)) and self.time_limit > 0):
+            raise TransferError(f"model.transfer.time_limit: {self.time_limit!r} is not allowed; must be a number > 0 or null")
+        if not (isinstance(self.ridge, (int, float)) and self.ridge >= 0):
+            raise TransferError(f"model.transfer.ridge: {self.ridge!r} is not allowed; must be a number >= 0")
+
+
+# -- capture -----------------------------------------------------------------------------------
+@torch.no_grad()
+def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs and targets of every converted layer's block, from the original model.
+
+    ``model`` is a converted model with ``rf_originals``; the original runs through
+    :class:`rfkit.training.teacher.SharedTeacher`. Returns ``{layer: (inputs, target)}`` with inputs
+    ``(N, L, d_in)`` (what the block reads, computed from the original layer's hidden states by
+    ``RecurFormerAttention.mixer_input``: the mixer KV heads' values, for ``qkv`` operators with
+    the rotated queries and keys before them) and target ``(N, L, d_out)`` (the replaced heads'
+    attention outputs before ``W_O``, in the block's output order), on the CPU in float32.
+    """
+    from tqdm.auto import tqdm
+
+    from rfkit.training.teacher import SharedTeacher
+
+    teacher = SharedTeacher(model)
+    layers = model.get_decoder().layers
+    store: dict[int, tuple[list, list]] = {i: ([], []) for i in teacher.originals}
+    hooks = []
+    for i, original in teacher.originals.items():
+        new = layers[i].self_attn
+        hd = new.head_dim
+        heads = torch.tensor(new.replaced_heads)
+
+        def on_input(_mod, args, kwargs, i=i, new=new):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            x = new.mixer_input(hidden, kwargs.get("position_embeddings"))
+            store[i][0].append(x.float().cpu())
+
+        def on_attention(_mod, args, i=i, heads=heads, hd=hd):
+            x = args[0]
+            b, length, _ = x.shape
+            store[i][1].append(x.view(b, length, -1, hd)[:, :, heads].reshape(b, length, -1).float().cpu())
+
+        hooks.append(original.register_forward_pre_hook(on_input, with_kwargs=True))
+        hooks.append(original.o_proj.register_forward_pre_hook(on_attention))
+    device = next(model.parameters()).device
+    try:
+        for start in tqdm(range(0, len(blocks), batch_size), desc="transfer: capture", unit="batch", disable=not progress):
+            ids = blocks[start : start + batch_size].to(device)
+            teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: (torch.cat(v), torch.cat(t)) for i, (v, t) in store.items()}
+
+
+# -- training ----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(mixers: dict[int, nn.Module], data, batch_size: int = 4) -> dict[int, float]:
+    """Relative MSE of every layer's block on the captured data (blocks in eval mode: no
+    training-only randomness such as window dropout)."""
+    out = {}
+    for i, mixer in mixers.items():
+        values, target = data[i]
+        device = next(mixer.parameters()).device
+        was_training = mixer.training
+        mixer.eval()
+        err, power = 0.0, 0.0
+        for s in range(0, len(values), batch_size):
+            pred = mixer(values[s : s + batch_size].to(device)).float().cpu()
+            err += float((pred - target[s : s + batch_size]).pow(2).sum())
+            power += float(target[s : s + batch_size].pow(2).sum())
+        mixer.train(was_training)
+        out[i] = err / max(power, 1e-12)
+    return out
+
+
+def _features(mixer, x: torch.Tensor) -> torch.Tensor:
+    """The block's input to ``out_proj`` for x (captured with a forward pre-hook)."""
+    seen = []
+    hook = mixer.out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        mixer(x)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+@torch.no_grad()
+def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, ridge: float, batch_size: int = 4) -> None:
+    """Set ``mixer.out_proj`` to the ridge least-squares map from its features to ``target``."""
+    device = next(mixer.parameters()).device
+    width = mixer.out_proj.in_features
+    gram = torch.zeros(width, width, dtype=torch.float64)
+    cross = torch.zeros(width, target.shape[-1], dtype=torch.float64)
+    for s in range(0, len(values), batch_size):
+        feats = _features(mixer, values[s : s + batch_size].to(device)).reshape(-1, width).double().cpu()
+        gram += feats.T @ feats
+        cross += feats.T @ target[s : s + batch_size].reshape(-1, target.shape[-1]).double()
+    lam = ridge * float(torch.diagonal(gram).mean()) + 1e-8
+    weight = torch.linalg.solve(gram + lam * torch.eye(width, dtype=torch.float64), cross).T  # (d_out, width)
+    mixer.out_proj.weight.copy_(weight.to(mixer.out_proj.weight.dtype))
+    if mixer.out_proj.bias is not None:
+        mixer.out_proj.bias.zero_()
+
+
+def train_blocks(
+    mixers: dict[int, nn.Module],
+    data,
+    config: TransferConfig,
+    progress: bool = True,
+    seed: int = 0,
+    deadline: float | None = None,
+    projections: dict[int, torch.Tensor] | None = None,
+) -> list[float]:
+    """Train every block on its layer's captured pairs; returns the mean relative loss per step.
+    ``deadline`` (a ``time.time()`` value) stops training early. ``projections`` (per layer,
+    ``(d_out, hidden)``) measures the error after that map (``space: output``)."""
+    from tqdm.auto import tqdm
+
+    params = [p for m in mixers.values() for p in m.parameters()]
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, config.steps) / max(config.steps, 1)))
+    )
+    generator = torch.Generator().manual_seed(seed)
+    n, length = next(iter(data.values()))[0].shape[:2]
+    window = length if config.seq_len is None else min(config.seq_len, length)
+    proj = {i: (projections or {}).get(i) for i in mixers}
+
+    def mapped(i, x):
+        return x if proj[i] is None else x @ proj[i].to(x.device)
+
+    power = {i: mapped(i, data[i][1][: min(n, 8)]).pow(2).mean().clamp_min(1e-12) for i in mixers}
+    losses = []
+    bar = tqdm(range(config.steps), desc="transfer: train", unit="step", disable=not progress)
+    try:
+        for _ in bar:
+            rows = torch.randint(0, n, (min(config.batch_size, n),), generator=generator)
+            start = int(torch.randint(0, length - window + 1, (1,), generator=generator))
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for i, mixer in mixers.items():
+                device = next(mixer.parameters()).device
+                values = data[i][0][rows, start : start + window].to(device)
+                target = data[i][1][rows, start : start + window].to(device)
+                loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / power[i].to(device)
+                loss.backward()
+                total += float(loss.detach())
+            optimizer.step()
+            scheduler.step()
+            losses.append(total / len(mixers))
+            bar.set_postfix(rel_mse=f"{losses[-1]:.4f}")
+            if deadline is not None and time.time() > deadline:
+                log.info("transfer: time limit reached after %d steps", len(losses))
+                break
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+    return losses
+
+
+def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool = True) -> dict:
+    """Capture, solve read-outs, train; returns a report (per-layer relative MSE before/after,
+    seconds, tokens). ``model`` is a converted model with ``rf_originals``."""
+    started = time.time()
+    blocks = blocks[: config.samples]
+    layers = model.get_decoder().layers
+    data = capture(model, blocks, batch_size=config.batch_size, progress=progress)
+    mixers = {i: layers[i].self_attn.mixer for i in data}
+    was_training = {i: m.training for i, m in mixers.items()}
+    for m in mixers.values():
+        m.train()
+    before = evaluate(mixers, data, config.batch_size)
+    start_weights = {i: {k: v.detach().clone() for k, v in m.state_dict().items()} for i, m in mixers.items()}
+    calibration = {}
+    for i, mixer in mixers.items():
+        if hasattr(mixer, "calibrate"):  # hybrid blocks: scale the state's weights, open the gate
+            calibration[str(i)] = mixer.calibrate(data[i][0][: config.batch_size].to(next(mixer.parameters()).device))
+        elif config.readout == "lstsq" and hasattr(mixer, "out_proj"):
+            solve_readout(mixer, *data[i], ridge=config.ridge, batch_size=config.batch_size)
+    after_readout = evaluate(mixers, data, config.batch_size)
+    deadline = None if config.time_limit is None else started + config.time_limit
+    projections = None
+    if config.space == "output":  # W_O's columns of the replaced heads: the last d_out ones
+        projections = {
+            i: layers[i].self_attn.o_proj.weight[:, -data[i][1].shape[-1] :].detach().float().T.cpu() for i in mixers
+        }
+    losses = train_blocks(mixers, data, config, progress=progress, deadline=deadline, projections=projections)
+    after = evaluate(mixers, data, config.batch_size)
+    kept_start = []
+    for i, mixer in mixers.items():  # never leave a block worse than it started
+        if after[i] > before[i]:
+            mixer.load_state_dict(start_weights[i])
+            after[i] = before[i]
+            kept_start.append(i)
+    for i, m in mixers.items():
+        m.train(was_training[i])
+    report = {
+        "config": asdict(config),
+        "layers": sorted(mixers),
+        "mse_before": {str(i): before[i] for i in sorted(mixers)},
+        "mse_after_readout": {str(i): after_readout[i] for i in sorted(mixers)},
+        "mse_after": {str(i): after[i] for i in sorted(mixers)},
+        "mean_mse_before": sum(before.values()) / len(before),
+        "mean_mse_after": sum(after.values()) / len(after),
+        "kept_start": kept_start,
+        **({"calibration": calibration} if calibration else {}),
+        "losses": losses,
+        "steps_run": len(losses),
+        "samples": int(len(blocks)),
+        "tokens_captured": int(blocks.numel()),
+        "seconds": round(time.time() - started, 1),
+    }
+    log.info(
+        "attention transfer: mean relative MSE %.4f -> %.4f over %d layers (%.0f s)",
+        report["mean_mse_before"], report["mean_mse_after"], len(mixers), report["seconds"],
+    )  # fmt: skip
+    return report

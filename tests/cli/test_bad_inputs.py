@@ -1,0 +1,345 @@
+"""Bad input: one line on stderr naming the field, exit code 2, no traceback, nothing written.
+
+Every case runs ``rfkit`` in process on the tiny model and corpus (``load_base_model`` raises,
+so a case that loads a model before refusing fails); two run the real console script. The
+full-disk case is the one that fails mid-run (a write of ``rfkit convert``), so it is allowed
+the run's own output before its single error line, and must leave no partial directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rfkit.training.module  # noqa: F401  (imported before any test replaces rfkit.conversion.convert.load_base_model)
+from helpers import SMOLLM, run_cli, tiny_args
+
+ERROR = "rfkit: error: "
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def listing(root: Path) -> list[str]:
+    """Every path under ``root`` (relative), to compare before and after a run."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+def assert_one_line(code: int, out: str, err: str, *words: str, prefix: str = ERROR) -> str:
+    """Exit code 2, exactly one non-empty stderr line (the error), no traceback, ``words`` in it."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, err)
+    assert "Traceback" not in out + err, err
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith(prefix), line
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+def fake_hub_cache(cache: Path, model_dir: Path, repo: str, weights: str = "incomplete") -> Path:
+    """A Hugging Face hub cache as huggingface_hub lays it out (``models--org--name`` with
+    ``refs/main``, ``blobs/`` and ``snapshots/<commit>/`` symlinks into the blobs), for
+    ``repo`` with the files of ``model_dir``. ``weights``: ``"incomplete"`` leaves the weight
+    blob as ``<sha256>.incomplete`` with a third of its bytes and no snapshot link (what an
+    interrupted download leaves), ``"complete"`` links it, ``"none"`` has no weights at all."""
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    blobs, snapshot = repo_dir / "blobs", repo_dir / "snapshots" / commit
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    if weights == "complete":
+        names.append("model.safetensors")
+    for name in names:
+        data = (model_dir / name).read_bytes()
+        blob = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else hashlib.sha1(data).hexdigest()
+        (blobs / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / name)
+    if weights == "incomplete":
+        data = (model_dir / "model.safetensors").read_bytes()
+        (blobs / f"{hashlib.sha256(data).hexdigest()}.incomplete").write_bytes(data[: len(data) // 3])
+    return repo_dir
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail any case that loads a model before refusing its input (``rfkit.training.module`` holds its
+    own reference, bound at import, so both are replaced)."""
+    import rfkit.conversion.convert
+    import rfkit.training.module
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rfkit.conversion.convert, "load_base_model", load)
+    monkeypatch.setattr(rfkit.training.module, "load_base_model", load)
+
+
+@pytest.fixture
+def inputs(tmp_path, tiny_model_dir):
+    """Broken inputs under ``tmp_path/inputs``; created before the listing is taken."""
+    d = tmp_path / "inputs"
+    d.mkdir()
+    (d / "empty.jsonl").write_bytes(b"")
+    (d / "no_text_field.jsonl").write_text("".join(json.dumps({"title": f"t{i}", "body": "words"}) + "\n" for i in range(3)))
+    (d / "blank_texts.jsonl").write_text("".join(json.dumps({"title": f"t{i}", "text": " "}) + "\n" for i in range(3)))
+    (d / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    (d / "bad.yaml").write_text("model:\n  base_model: [unclosed\n  policy: : :\n")
+    (d / "list.yaml").write_text("- model\n- data\n")
+    (d / "a_file").write_text("not a directory\n")
+    (d / "garbage.ckpt").write_text("garbage, not a checkpoint\n")
+    truncated = d / "truncated-model"  # an interrupted copy: half of the weights file
+    shutil.copytree(tiny_model_dir, truncated)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    broken = d / "broken-config-model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "config.json").write_text('{"model_type": "llama",')
+    (d / "config-only-model").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", d / "config-only-model" / "config.json")
+    wide = d / "small-vocab-model"  # the tiny model's weights, a config that says vocab_size 128
+    shutil.copytree(tiny_model_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
+    return d
+
+
+# ---------------------------------------------------------------------------------- the cases
+
+# (id, subcommand, extra args, words the line must hold); "{in}" is the inputs directory,
+# "{tmp}" the test's tmp_path. Every case runs `rfkit SUB <tiny recipe> EXTRA` with its run
+# directory at {tmp}/runs.
+CASES = [
+    # wrong types
+    ("type-str-for-int", "fit", ["--data.seq_len", "abc"], ["data.seq_len: expected an integer, got 'abc'"]),
+    ("type-list-for-float", "fit", ["--model.policy.init_args.alpha", "[0.1, 0.2]"], ["model.policy.alpha: expected a number"]),
+    ("type-float-for-list", "fit", ["--data.split", "0.5"], ["data.split: expected a list"]),
+    ("type-str-for-trainer-int", "fit", ["--trainer.max_steps", "ten"], ["trainer.max_steps: expected an integer, got 'ten'"]),
+    ("type-float-for-int", "fit", ["--model.policy.init_args.window", "3.5"], ["model.policy.window: expected an integer"]),
+    ("type-str-for-bool", "fit", ["--model.policy.init_args.allow_all_heads", "maybe"], ["model.policy.allow_all_heads: expected true or false"]),
+    # unknown keys
+    ("unknown-model-key", "fit", ["--model.nonsense", "1"], ["model.nonsense: unknown option", "base_model"]),
+    ("unknown-data-key", "fit", ["--data.init_args.seq_lenn", "5"], ["data.seq_lenn: unknown option (nearest: seq_len)"]),
+    # bad enum values
+    ("enum-dtype", "fit", ["--model.dtype", "float64"], ["model.dtype: 'float64' is not allowed; allowed: float32, bfloat16, float16"]),
+    ("enum-granularity", "fit", ["--model.policy.init_args.granularity", "heads"], ["model.policy.granularity", "allowed: kv_group, query_head"]),
+    ("enum-accelerator", "fit", ["--trainer.accelerator", "tpu9"], ["trainer.accelerator: 'tpu9' is not allowed; allowed:", "cpu"]),
+    # negative steps
+    ("negative-max-steps", "fit", ["--trainer.max_steps", "-5"], ["trainer.max_steps: -5 is not allowed", "-1 for no limit"]),
+    ("negative-transfer-steps", "fit", ["--model.transfer.steps", "-3"], ["model.transfer.steps: -3 is not allowed"]),
+    # recipe files
+    ("malformed-yaml", "fit", ["--config", "{in}/bad.yaml"], ["--config: cannot read", "bad.yaml' as YAML", "line 3"]),
+    ("yaml-not-a-mapping", "fit", ["--config", "{in}/list.yaml"], ["--config:", "holds a YAML list, not a recipe"]),
+    ("missing-recipe-file", "fit", ["--config", "{in}/no_such_recipe.yaml"], ["--config:", "no_such_recipe.yaml' does not exist; recipes:"]),
+    # policy and operator
+    ("bad-policy-class", "fit", ["--model.policy.class_path", "rfkit.conversion.policies.NoSuchPolicy"], ["model.policy: class 'rfkit.conversion.policies.NoSuchPolicy' cannot be used"]),
+    ("operator-unknown-arg", "fit", ["--model.operator.init_args.feature_dims", "4"], ["model.operator.feature_dims: unknown option (nearest: feature_dim)"]),
+    ("operator-bad-value", "fit", ["--model.operator.init_args.feature_dim", "3"], ["model.operator.feature_dim: 3 is not allowed"]),
+    # beta = 1 without the opt-in
+    ("beta-1-without-opt-in", "fit", ["--model.policy.init_args.beta", "1"],
+     ["model.policy.init_args.beta: 1.0 replaces every attention head", "destroys quality", "model.policy.init_args.allow_all_heads: true"]),  # fmt: skip
+    # model
+    ("missing-model-path", "fit", ["--model.base_model", "{tmp}/no/such/model"], ["model.base_model: path", "does not exist"]),
+    ("model-not-a-hub-id", "fit", ["--model.base_model", "not a model"], ["model.base_model: 'not a model' is neither an existing local path nor a hub model id"]),
+    ("model-weights-truncated", "fit", ["--model.base_model", "{in}/truncated-model"],
+     ["model.base_model: the weights of", "model.safetensors is truncated", "download them again"]),  # fmt: skip
+    ("model-without-weights", "fit", ["--model.base_model", "{in}/config-only-model"],
+     ["model.base_model:", "has no weights (model.safetensors missing)"]),  # fmt: skip
+    ("model-config-not-json", "fit", ["--model.base_model", "{in}/broken-config-model"], ["model.base_model: cannot read", "config.json"]),
+    ("tokenizer-larger-than-vocab", "fit", ["--model.base_model", "{in}/small-vocab-model"],
+     ["model.base_model / data.tokenizer:", "49152 token ids", "vocab_size 128", "out of range"]),  # fmt: skip
+    ("seq-len-beyond-context", "fit", ["--data.seq_len", "512"], ["data.seq_len: 512 tokens is beyond the context", "max_position_embeddings 256", "<= 256"]),
+    # data
+    ("missing-data-file", "fit", ["--data.source", "{in}/no_such.jsonl"], ["data.source: path", "does not exist"]),
+    ("empty-data-file", "fit", ["--data.source", "{in}/empty.jsonl"], ["data.source: file", "is empty (0 bytes)"]),
+    ("jsonl-without-text-field", "fit", ["--data.source", "{in}/no_text_field.jsonl"],
+     ["data.text_field: field 'text' missing in no_text_field.jsonl line 1 (fields: body, title)"]),  # fmt: skip
+    ("data-not-utf8", "fit", ["--data.source", "{in}/latin1.jsonl"], ["data.source: latin1.jsonl is not UTF-8 text"]),
+    ("jsonl-with-blank-texts", "fit", ["--data.source", "{in}/blank_texts.jsonl"], ["data.source:", "contains no documents"]),
+    # outputs that cannot be written (root ignores permission bits: these are truly unwritable)
+    ("root-dir-under-a-file", "fit", ["--trainer.default_root_dir", "{in}/a_file/run"],
+     ["trainer.default_root_dir: cannot create", "a_file' is a file, not a directory"]),  # fmt: skip
+    ("root-dir-under-proc", "fit", ["--trainer.default_root_dir", "/proc/rfkit-bad-input/run"],
+     ["trainer.default_root_dir: cannot write '/proc/rfkit-bad-input/run'"]),  # fmt: skip
+    ("convert-output-under-a-file", "convert", ["--output", "{in}/a_file/converted"], ["--output: cannot create", "is a file, not a directory"]),
+    ("convert-output-is-a-file", "convert", ["--output", "{in}/a_file"], ["--output:", "exists and is a file; give a directory"]),
+    ("profile-output-under-proc", "profile", ["--output", "/proc/rfkit-bad-input/head_map.json"], ["--output: cannot write '/proc/rfkit-bad-input/head_map.json'"]),
+    # checkpoints
+    ("ckpt-missing", "validate", ["--ckpt_path", "{in}/none.ckpt"], ["--ckpt_path:", "none.ckpt' does not exist"]),
+    ("ckpt-not-a-checkpoint", "validate", ["--ckpt_path", "{in}/garbage.ckpt"], ["--ckpt_path:", "is not a PyTorch checkpoint"]),
+]
+
+
+@pytest.mark.parametrize("sub, extra, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    sub, extra, words, tiny_model_dir, tiny_corpus, inputs, tmp_path, capsys, no_loading
+):
+    fill = lambda s: s.replace("{in}", str(inputs)).replace("{tmp}", str(tmp_path))  # noqa: E731
+    runs = tmp_path / "runs"
+    args = [sub, *tiny_args(tiny_model_dir, tiny_corpus, runs), "--model.transfer", "null", *map(fill, extra)]
+    if sub in ("convert", "profile") and "--output" not in extra:
+        args += ["--output", str(tmp_path / "out")]
+    before = listing(tmp_path)
+    code, out, err = run_cli(args, capsys)
+    assert_one_line(code, out, err, *map(fill, words))
+    assert not runs.exists()  # no run directory
+    assert listing(tmp_path) == before  # no output, no partial or temporary file
+
+
+def test_hub_model_not_in_the_cache_while_offline(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    before = listing(tmp_path)
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.base_model", "someorg/not-cached"]
+    code, out, err = run_cli(args, capsys)
+    assert_one_line(code, out, err, "model.base_model: 'someorg/not-cached' is not in the Hugging Face cache",
+                    str(tmp_path / "hub"), "HF_HUB_OFFLINE=1")  # fmt: skip
+    assert listing(tmp_path) == before
+
+
+def test_interrupted_hub_download_while_offline(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
+    repo = fake_hub_cache(tmp_path / "hf" / "hub", tiny_model_dir, "someorg/tiny-llama", weights="incomplete")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the cache is $HF_HOME/hub
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    before = listing(tmp_path)
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.base_model", "someorg/tiny-llama"]
+    code, out, err = run_cli(args, capsys)
+    line = assert_one_line(code, out, err, "model.base_model: the download of 'someorg/tiny-llama' is incomplete",
+                           "rerun online", "delete the partial file")  # fmt: skip
+    assert str(next((repo / "blobs").glob("*.incomplete"))) in line
+    assert listing(tmp_path) == before
+
+
+def test_a_complete_hub_cache_passes_the_preflight(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
+    """The same cache with its weights linked is accepted offline: the run gets as far as
+    loading the model (which the fixture refuses), and no further check objects."""
+    fake_hub_cache(tmp_path / "hub", tiny_model_dir, "someorg/tiny-llama", weights="complete")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    from rfkit.config.lightning_cli import make_cli
+    from rfkit.hub import check_hub_model
+
+    assert check_hub_model("someorg/tiny-llama") == next((tmp_path / "hub").rglob("snapshots/*"))
+    args = [*tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.base_model", "someorg/tiny-llama"]
+    cli = make_cli(args, run=False)
+    assert cli.model.base_model == "someorg/tiny-llama"
+
+
+def test_beta_1_with_the_opt_in_warns_and_runs(tiny_model_dir, tiny_corpus, tmp_path, capsys, caplog):
+    out_dir = tmp_path / "all_heads"
+    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.transfer", "null",
+            "--model.policy.init_args.beta", "1", "--model.policy.init_args.allow_all_heads", "true",
+            "--output", str(out_dir)]  # fmt: skip
+    with caplog.at_level("WARNING", logger="rfkit.conversion.policies"):
+        code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rfkit.conversion.policies"]
+    assert any("every attention head" in w and "destroys quality" in w for w in warnings), warnings
+    head_map = json.loads((out_dir / "head_map.json").read_text())
+    assert head_map["selected"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert head_map["policy"]["allow_all_heads"] is True
+
+
+def test_full_disk_while_converting_leaves_nothing(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
+    """ENOSPC half-way through writing the weights: one line naming the output, exit 2, and
+    neither the output directory nor its temporary sibling left behind."""
+    import transformers.modeling_utils
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 4096)  # a partial file, as a real full disk leaves
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    parent = tmp_path / "out"
+    parent.mkdir()
+    target = parent / "nested" / "converted"  # its parent is created by the write, and removed again
+    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.transfer", "null",
+            "--output", str(target)]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and "Traceback" not in out + err, err
+    errors = [line for line in err.splitlines() if line.startswith(ERROR)]
+    assert errors == [f"{ERROR}no space left on device while writing '{target}'; nothing partial was kept there: "
+                      "free some space or choose another location"]  # fmt: skip
+    assert err.strip().splitlines()[-1] == errors[0]  # the error is the run's last word
+    assert listing(parent) == []  # no converted/, no .converted.tmp-*, no nested/
+
+
+def test_the_disk_full_error_is_still_an_oserror(tmp_path, monkeypatch):
+    """Code that tolerates failed cache writes (``except OSError``) keeps doing so."""
+    from rfkit.atomic import atomic_write
+    from rfkit.errors import DiskFullError, RFKitError
+
+    def write(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskFullError) as caught:
+        atomic_write(tmp_path / "new" / "x.json", write)
+    assert isinstance(caught.value, OSError) and isinstance(caught.value, RFKitError)
+    assert caught.value.errno == errno.ENOSPC and "x.json" in str(caught.value)
+    assert listing(tmp_path) == []
+
+
+def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
+    """The installed ``rfkit`` script, two processes side by side: an interrupted hub download
+    (offline, its cache given by HF_HOME) and a wrong type. Each prints exactly one line and
+    exits 2; nothing is written."""
+    exe = Path(sys.executable).with_name("rfkit")
+    fake_hub_cache(tmp_path / "hf" / "hub", tiny_model_dir, "someorg/tiny-llama", weights="incomplete")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    runs = tmp_path / "runs"
+    base = tiny_args(tiny_model_dir, tiny_corpus, runs)
+    recipe = tmp_path / "missing_model.yaml"  # a recipe read by `rfkit bench` (its own parser, then the recipe's)
+    recipe.write_text(Path(SMOLLM).read_text().replace("embedded:smollm2-135m-instruct", str(tmp_path / "no-model")))
+    calls = {
+        "download": ["fit", *base, "--model.base_model", "someorg/tiny-llama"],
+        "type": ["fit", *base, "--data.batch_size", "[2]"],
+        "bench": ["bench", "cache", "--model", str(recipe), "--json", str(tmp_path / "bench.json")],
+    }
+    before = listing(tmp_path)
+    procs = {
+        name: subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path, env=env)  # fmt: skip
+        for name, args in calls.items()
+    }
+    results = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        out, err = results[name]
+        words = {
+            "download": ["model.base_model: the download of 'someorg/tiny-llama' is incomplete", "rerun online"],
+            "type": ["data.batch_size: expected an integer, got [2]"],
+            "bench": ["model.base_model: path", "does not exist"],
+        }[name]
+        assert_one_line(proc.returncode, out, err, *words, prefix="rfkit bench: error: " if name == "bench" else "rfkit: error: ")
+    assert not runs.exists() and listing(tmp_path) == before
+
+
+def test_sweep_sets_the_opt_in_for_its_beta_1_rows_and_warns_once(caplog):
+    """``rfkit sweep --betas ...,1`` keeps working: its beta 1 rows carry allow_all_heads, and
+    the sweep warns once (the rows run without a recipe-level error)."""
+    from rfkit.conversion.policies import RecencyRatioPolicy, check_all_heads
+    from rfkit.experiments.sweep import _policy_at, warn_all_heads
+
+    recipe_policy = RecencyRatioPolicy(beta=0.5)
+    row = _policy_at(recipe_policy, 1.0)
+    assert row.allow_all_heads and not recipe_policy.allow_all_heads and not _policy_at(recipe_policy, 0.5).allow_all_heads
+    with caplog.at_level("WARNING"):
+        assert warn_all_heads([0.0, 0.5, 1.0]) and not warn_all_heads([0.0, 0.9])
+        assert check_all_heads(row)  # allowed, with the policy's own warning
+    sweep_warnings = [r.getMessage() for r in caplog.records if r.name == "rfkit.experiments.sweep"]
+    assert len(sweep_warnings) == 1 and "destroys quality" in sweep_warnings[0]

@@ -1,0 +1,172 @@
+"""``rfkit bench cache`` / ``rfkit bench speed`` on a tiny converted model, and their bad input.
+
+Timings are not asserted (benchmarks, not timed tests); the cache bytes are, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from helpers import SMOLLM, run_cli
+from transformers import AutoModelForCausalLM
+
+from rfkit.experiments import bench
+from rfkit.models.cache import cache_bytes
+from rfkit.conversion.headmap import HeadMap
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tiny_model_dir, tiny_corpus, tmp_path_factory):
+    """The SmolLM2 recipe pointed at the tiny model and corpus, as a file."""
+    config = yaml.safe_load(open(SMOLLM))
+    config["model"]["base_model"] = str(tiny_model_dir)
+    config["model"]["policy"]["init_args"]["window"] = 4
+    config["data"].update(
+        source=str(tiny_corpus), seq_len=32, batch_size=2, calibration_samples=4, val_blocks=4, split=[0.1, 0.1]
+    )
+    path = tmp_path_factory.mktemp("recipe") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_dir, tmp_path, capsys):
+    out = tmp_path / "cache.json"
+    code, stdout, err = run_cli(
+        ["bench", "cache", "--model", str(converted_dir), "--lengths", "8,40", "--prompt-len", "4", "--chunk", "7",
+         "--json", str(out)], capsys)  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    head_map = HeadMap.load(converted_dir / "head_map.json")
+    model = AutoModelForCausalLM.from_pretrained(str(converted_dir))
+    # by hand: 2 layers x 2 KV heads x (K and V) x head_dim 16 x 4 bytes per token in the original
+    kv_orig = 2 * 2 * 2 * 16 * 4
+    kept_kv = 0
+    state = 0
+    for heads in head_map.selected:
+        replaced_kv = len({h // 2 for h in heads})  # kv_group selection: whole groups
+        kept_kv += 2 - replaced_kv
+        if heads:  # the recipe's hybrid: K and V of 4 sink + 56 recent tokens, a long counter,
+            # and a 16-feature linear-attention state (16 x (16 + 1)) per replaced KV head
+            state += replaced_kv * (2 * (4 + 56) * 16 * 4 + 16 * (16 + 1) * 4) + 8
+    kv_conv = kept_kv * 2 * 16 * 4
+    for row, length in zip(result["rows"], (8, 40)):
+        tokens = 4 + length
+        assert row["cache_bytes_original"] == kv_orig * tokens
+        assert row["cache_bytes_converted"] == kv_conv * tokens + state
+        assert row["state_bytes_converted"] == state > 0
+        assert row["cs"] == pytest.approx((kv_conv * tokens + state) / (kv_orig * tokens), abs=1e-12)
+        assert row["cs_rel_diff"] < 1e-9
+        assert row["prefill_peak_bytes_original"] >= 0 and "RSS" in row["peak_method"]
+    assert result["kept_kv_fraction"] == kept_kv / 4
+    assert "| 40 |" in stdout and "cs analytic" in stdout
+
+
+def test_chunked_cache_growth_holds_what_token_by_token_generate_holds(converted_dir):
+    model = AutoModelForCausalLM.from_pretrained(str(converted_dir)).eval()
+    prompt, new = 5, 9
+    ids = bench._random_ids(model, prompt, seed=3, device=torch.device("cpu"))
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    held = cache_bytes(gen.past_key_values)
+    # generate feeds the prompt and new - 1 generated tokens (the last one is never fed back)
+    for chunk in (1, 3, 100):
+        measured = bench.cache_after_generation(model, prompt, new - 1, chunk, seed=3, device=torch.device("cpu"))
+        assert {k: measured[k] for k in held} == held
+        assert measured["tokens"] == prompt + new - 1
+
+
+def test_max_input_search_brackets_the_budget(monkeypatch):
+    # The search itself, on a measurement with a known answer: peak = 1000 bytes per token.
+    monkeypatch.setattr(bench, "prefill_peak", lambda model, n, seed, device: {"peak_bytes": 1000 * n})
+    found = bench.max_input_length(None, 300_000, 0, "cpu", start=64)
+    assert 300 - (512 - 256) // 32 <= found["max_input"] <= 300
+    assert all(p["peak_bytes"] == 1000 * p["length"] for p in found["probes"])
+    assert bench.max_input_length(None, 10, 0, "cpu", start=64)["max_input"] == 0
+
+
+def test_prefill_peak_on_cpu_covers_the_cache():
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    peak = bench.prefill_peak(model, 6000, seed=0, device=torch.device("cpu"))
+    assert peak["cache_bytes"] == 2 * 2 * 2 * 16 * 4 * 6000
+    assert peak["peak_bytes"] >= peak["cache_bytes"]
+
+
+def test_speed_bench_rows(converted_dir, tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    code, stdout, err = run_cli(
+        ["bench", "speed", "--model", str(converted_dir), "--contexts", "16,48", "--runs", "2",
+         "--decode-tokens", "3", "--json", str(out)], capsys)  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert [r["context"] for r in result["rows"]] == [16, 48]
+    for row in result["rows"]:
+        for key in ("prefill_tps_original", "prefill_tps_converted", "decode_tps_original", "decode_tps_converted"):
+            assert row[key] > 0
+        assert len(row["prefill_s_runs_original"]) == len(row["decode_s_per_token_runs_converted"]) == 2
+    assert "| 48 |" in stdout and "Median of 2 interleaved runs" in stdout
+
+
+def test_cache_bench_from_a_recipe_converts_without_training(tiny_recipe, capsys):
+    code, stdout, err = run_cli(
+        ["bench", "cache", "--model", str(tiny_recipe), "--lengths", "6", "--prompt-len", "2", "--no-peak"], capsys
+    )
+    assert code == 0, err
+    assert "converted from the recipe without training" in stdout
+    assert "prefill peak" not in stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["cache", "--lengths", "0"], "--lengths: lengths must be positive integers, got 0"),
+        (["cache", "--lengths", "1024,-5"], "--lengths: lengths must be positive integers, got -5"),
+        (["cache", "--lengths", "ten"], "--lengths: 'ten' is not an integer"),
+        (["speed", "--contexts", "0"], "--contexts: lengths must be positive integers, got 0"),
+        (["speed", "--runs", "0"], "--runs: must be a positive integer"),
+        (["cache", "--max-input"], "--max-input: needs a value (a memory budget"),
+        (["cache", "--max-input", "lots"], "--max-input: 'lots' is not a byte budget"),
+        (["cache", "--max-input", "0MiB"], "--max-input: the budget must be positive"),
+        (["cache", "--prompt-len", "0"], "--prompt-len: must be a positive integer"),
+        (["cache", "--device", "tpu"], "--device: 'tpu' is not allowed"),
+        (["cache", "--json", "/nonexistent/dir/out.json"], "--json: directory '/nonexistent/dir' does not exist"),
+        ([], "the following arguments are required: cache|speed"),
+    ],
+)
+def test_bad_bench_input_is_one_line_and_exit_2(converted_dir, args, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "load_pair", lambda *a: pytest.fail("a model was loaded"))
+    argv = ["bench", *args[:1], "--model", str(converted_dir), *args[1:]] if args else ["bench"]
+    code, stdout, err = run_cli(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_model_arguments(tiny_model_dir, tmp_path, capsys):
+    cases = [
+        (str(tmp_path), "is not a model directory (no config.json)"),
+        (str(tiny_model_dir), "holds a 'llama' model, not an rfkit-converted one"),
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(tiny_model_dir / "config.json"), "is a file but not a recipe"),
+    ]
+    for spec, message in cases:
+        code, stdout, err = run_cli(["bench", "cache", "--model", spec], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_recipe_that_cannot_be_converted(tiny_recipe, tmp_path, capsys):
+    config = yaml.safe_load(tiny_recipe.read_text())
+    config["model"]["base_model"] = str(tmp_path / "no-such-model")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out.json"
+    code, stdout, err = run_cli(["bench", "cache", "--model", str(bad), "--json", str(out)], capsys)
+    assert code == 2 and "model.base_model" in err and err.count("\n") == 1, err
+    assert not out.exists()

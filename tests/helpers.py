@@ -1,0 +1,95 @@
+"""What the tests share: tiny random models (2 layers, width 64), the in-process CLI runner, the
+overrides that run a SmolLM2 recipe on them, and packing Q/K/V as a mixer's input.
+
+Imported by name (``from helpers import run_cli``): pytest puts tests/ on sys.path (rootdir
+conftest, prepend import mode). Fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import rfkit  # noqa: F401  (registers the converted model types)
+from rfkit.cli import main
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+)
+
+
+def tiny_model(family: str = "llama", num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    kw = dict(TINY, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=False))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=None))
+    else:
+        raise ValueError(family)
+    return model.eval()
+
+
+def random_ids(batch: int = 2, length: int = 24, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=g)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# MQAR recipes are `rfkit eval mqar` configs (tested in test_mqar.py), not LightningCLI fit recipes
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("mqar"))
+SMOLLM = str(ROOT / "recipes" / "smollm2_b05.yaml")
+MAMBA = str(ROOT / "recipes" / "smollm2_mamba_b05.yaml")  # the paper's Mamba-only operator
+
+
+def run_cli(args, capsys):
+    """Run ``rfkit`` in process; returns (exit code, stdout, stderr)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
+    """Overrides that run a SmolLM2 recipe's code paths (default: the default recipe's) on the
+    tiny model and corpus."""
+    return [
+        "--config", recipe,
+        "--model.base_model", str(model_dir),
+        "--model.policy.init_args.window", "4",
+        "--data.source", str(corpus),
+        "--data.seq_len", "32",
+        "--data.batch_size", "2",
+        "--data.calibration_samples", "4",
+        "--data.val_blocks", "4",
+        "--data.split", "[0.1, 0.1]",
+        "--trainer.default_root_dir", str(root),
+        "--trainer.max_steps", "2",
+        "--trainer.val_check_interval", "2",
+        "--trainer.enable_progress_bar", "false",
+        "--model.transfer.steps", "5",
+    ]  # fmt: skip
+
+
+def packed(q, k, v):
+    B, _, L, _ = q.shape
+    flat = lambda t: t.transpose(1, 2).reshape(B, L, -1)  # noqa: E731
+    return torch.cat([flat(q), flat(k), flat(v)], -1)

@@ -1,0 +1,279 @@
+"""The hybrid operator: sink + recent softmax plus a gated linear-attention state. Exact against a
+naive per-query loop in float64; equal to the training-free sink + recent operator while its gate
+is closed; the same decoding, padding, cache and save/reload paths as every operator."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import random_ids, tiny_model
+from rfkit.models.cache import cache_bytes, mixer_state_store
+from rfkit.models.hybrid import HybridWindowAttention
+from rfkit.models.modeling import to_recurformer
+from rfkit.conversion.operators import HybridOperator, OperatorError, ReplacementOperator, SinkRecentOperator
+from rfkit.models.window import WindowAttention
+from helpers import packed
+
+KVQ = [0, 0, 1]  # three query heads over two KV heads
+HD = 8
+
+
+def random_qkv(batch=2, length=30, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, len(KVQ), length, HD, generator=g, dtype=dtype)
+    k = torch.randn(batch, max(KVQ) + 1, length, HD, generator=g, dtype=dtype)
+    v = torch.randn(batch, max(KVQ) + 1, length, HD, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def open_block(sink=2, window=5, feature_dim=4, gate=0.7, log_scale=0.3):
+    block = HybridWindowAttention(KVQ, HD, window=window, sink=sink, feature_dim=feature_dim).double()
+    with torch.no_grad():
+        block.gate.copy_(torch.tensor([gate, 0.0, gate * 2]))  # head 1 closed: pure sink + recent
+        block.log_scale.fill_(log_scale)
+    return block
+
+
+def naive(block: HybridWindowAttention, q, k, v):
+    """One query at a time, straight from the formula in rfkit.models.hybrid's docstring."""
+    B, Hq, L, hd = q.shape
+    s, w = block.sink, block.window
+    g = block.gate.clamp_min(0) * block.log_scale.exp()
+    out = torch.zeros_like(q)
+    for h, kv in enumerate(block.kv_for_query):
+        W = block.feature_map[kv]
+
+        def phi(x):
+            p = x @ W
+            return torch.cat([p.softmax(-1), (-p).softmax(-1)])
+
+        for b in range(B):
+            for r in range(L):
+                win = [t for t in range(r + 1) if r - t < w or t < s]
+                old = [t for t in range(r + 1) if t not in win]
+                scores = torch.stack([q[b, h, r] @ k[b, kv, t] * hd**-0.5 for t in win])
+                m = scores.max()
+                num = sum(torch.exp(scores[i] - m) * v[b, kv, t] for i, t in enumerate(win))
+                den = torch.exp(scores - m).sum()
+                for t in old:
+                    weight = g[h] * torch.exp(-m) * (phi(q[b, h, r]) @ phi(k[b, kv, t]))
+                    num, den = num + weight * v[b, kv, t], den + weight
+                out[b, h, r] = num / den
+    return out.transpose(1, 2).reshape(B, L, -1)
+
+
+@pytest.mark.parametrize("sink,window", [(0, 1), (2, 5), (4, 3)])
+def test_open_gate_matches_the_naive_formula_in_float64(sink, window):
+    q, k, v = random_qkv()
+    block = open_block(sink=sink, window=window)
+    with torch.no_grad():
+        torch.testing.assert_close(block(packed(q, k, v)), naive(block, q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_closed_gate_is_the_training_free_sink_recent_block():
+    q, k, v = random_qkv(seed=3)
+    x = packed(q, k, v)
+    hybrid = HybridWindowAttention(KVQ, HD, window=5, sink=2, feature_dim=4).double()
+    plain = WindowAttention(KVQ, HD, window=5, sink=2).double()
+    assert torch.all(hybrid.gate == 0)  # as built
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_prefill_chunks_and_steps_equal_one_forward_in_float64():
+    q, k, v = random_qkv(length=31, seed=4)
+    x = packed(q, k, v)
+    block = open_block()
+    with torch.no_grad():
+        full = block(x)
+        out, state = block(x[:, :3], return_states=True)  # shorter than sink + window
+        parts = [out]
+        out, state = block(x[:, 3:17], *state, return_states=True)
+        parts.append(out)
+        for t in range(17, 31):
+            out, *state = block.step(x[:, t : t + 1], *state)
+            parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-12, atol=1e-12)
+    assert state[4].tolist() == [31, 31]
+    # the state is what state_bytes says (float64 here), whatever the length
+    assert sum(t.numel() * t.element_size() for t in state) == block.state_bytes(2, torch.float64)
+
+
+def test_long_chunks_run_in_sub_chunks_with_the_same_result(monkeypatch):
+    """A chunk longer than PREFILL_CHUNK runs as sub-chunks carrying the state (memory linear in
+    L): outputs, padding and the final state equal the one-piece forward."""
+    import rfkit.models.hybrid
+
+    q, k, v = random_qkv(length=29, seed=8)
+    x = packed(q, k, v)
+    mask = torch.ones(2, 29, dtype=torch.long)
+    mask[1, :6] = 0  # left padding that spans a sub-chunk boundary
+    block = open_block()
+    with torch.no_grad():
+        full, state = block(x, return_states=True, mask=mask)
+        monkeypatch.setattr(rfkit.models.hybrid, "PREFILL_CHUNK", 4)
+        split, split_state = block(x, return_states=True, mask=mask)
+        assert torch.equal(block(x, mask=mask), split)
+    torch.testing.assert_close(split, full, rtol=1e-12, atol=1e-12)
+    for a, b in zip(split_state, state):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_left_padding_leaves_the_state_of_the_unpadded_prompt():
+    q, k, v = random_qkv(batch=1, length=12, seed=5)
+    x = packed(q, k, v)
+    block = open_block()
+    padded = torch.cat([torch.randn(1, 4, x.shape[-1], dtype=x.dtype), x], 1)
+    mask = torch.tensor([[0] * 4 + [1] * 12])
+    with torch.no_grad():
+        out, state = block(x, return_states=True)
+        out_p, state_p = block(padded, return_states=True, mask=mask)
+    torch.testing.assert_close(out_p[:, 4:], out, rtol=1e-12, atol=1e-12)
+    assert torch.all(out_p[:, :4] == 0)
+    for a, b in zip(state, state_p):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_state_carries_tokens_that_left_the_window():
+    """Change the value of a token far outside the window: only an open gate lets it through."""
+    q, k, v = random_qkv(batch=1, length=20, seed=6)
+    changed = v.clone()
+    changed[:, :, 3] += 5.0  # token 3: past the sink (2) and outside the window of the last query
+    closed = HybridWindowAttention(KVQ, HD, window=5, sink=2, feature_dim=4).double()
+    opened = open_block()
+    with torch.no_grad():
+        for block, should_change in ((closed, False), (opened, True)):
+            last = block(packed(q, k, v))[:, -1]
+            last_changed = block(packed(q, k, changed))[:, -1]
+            assert bool((last - last_changed).abs().max() > 1e-6) == should_change
+
+
+def test_window_dropout_only_in_training():
+    q, k, v = random_qkv(batch=1, length=40, seed=7, dtype=torch.float32)
+    x = packed(q, k, v)
+    block = HybridWindowAttention(KVQ, HD, window=16, sink=2, feature_dim=4, window_dropout=1.0)
+    block._generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        evals = [block.eval()(x) for _ in range(2)]
+        trains = [block.train()(x) for _ in range(4)]
+    torch.testing.assert_close(evals[0], evals[1])
+    assert any((t - evals[0]).abs().max() > 1e-4 for t in trains)  # a shorter window changes the output
+
+
+def test_calibrate_opens_the_gate_with_a_finite_scale():
+    q, k, v = random_qkv(batch=2, length=24, seed=8, dtype=torch.float32)
+    block = HybridWindowAttention(KVQ, HD, window=4, sink=1, feature_dim=4)
+    report = block.calibrate(packed(q, k, v))
+    assert torch.all(block.gate == 1)
+    assert torch.isfinite(block.log_scale).all() and block.log_scale.abs().sum() > 0
+    assert all(0 < share < 1 for share in report["old_share"])
+
+
+def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
+    model = tiny_model(family)
+    block_op = operator or HybridOperator(sink=2, window=5, feature_dim=4)
+    model = to_recurformer(model, [list(s) for s in selected], block_op).eval()
+    with torch.no_grad():  # open every gate: the tests below must see the state at work
+        for layer in model.model.layers:
+            mixer = getattr(layer.self_attn, "mixer", None)
+            if mixer is not None:
+                mixer.gate.fill_(0.5)
+                mixer.log_scale.fill_(1.0)
+    return model
+
+
+@pytest.mark.parametrize("granularity", ["kv_group", "query_head"])
+def test_converted_model_step_decoding_equals_one_forward(granularity):
+    selected = ([0, 1], [2, 3]) if granularity == "kv_group" else ([1], [0, 3])
+    model = converted(selected=selected)
+    ids = random_ids(1, 24)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(7, 24):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    states = mixer_state_store(cache)
+    assert cache_bytes(cache)["state"] == sum(model.model.layers[i].self_attn.mixer.state_bytes(1) for i in states)
+
+
+def test_closed_gates_convert_to_the_sink_recent_model():
+    model = tiny_model("qwen2")
+    ids = random_ids(2, 30)
+    hybrid = to_recurformer(copy.deepcopy(model), [[0, 1], [2, 3]], HybridOperator(sink=2, window=5, feature_dim=4)).eval()
+    plain = to_recurformer(copy.deepcopy(model), [[0, 1], [2, 3]], SinkRecentOperator(sink=2, window=5)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_left_padding_matches_unpadded_generation():
+    model = converted()
+    ids = random_ids(1, 12)
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        padded = model.generate(
+            torch.cat([pad, ids], 1),
+            attention_mask=torch.cat([torch.zeros_like(pad), torch.ones_like(ids)], 1),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert padded[0, 3:].tolist() == plain[0].tolist()
+
+
+def test_saved_hybrid_model_reloads_with_its_trained_state(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = converted("mistral")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    operator = ReplacementOperator.from_dict(loaded.config.rf_operator)
+    assert isinstance(operator, HybridOperator) and operator.feature_dim == 4
+    assert float(loaded.model.layers[0].self_attn.mixer.gate[0]) == 0.5
+    ids = random_ids(1, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_transfer_fits_the_state_and_never_ends_worse_than_it_started():
+    from rfkit.training.transfer import TransferConfig, transfer
+
+    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], HybridOperator(sink=1, window=4, feature_dim=4, window_dropout=0.5))
+    blocks = random_ids(8, 32, seed=3)
+    report = transfer(model, blocks, TransferConfig(steps=30, lr=1e-2, samples=8, batch_size=4), progress=False)
+    assert set(report["calibration"]) == {"0", "1"}
+    for layer in ("0", "1"):
+        assert report["mse_after"][layer] <= report["mse_before"][layer]
+    improved = [layer for layer in ("0", "1") if report["mse_after"][layer] < report["mse_before"][layer]]
+    kept = {str(i) for i in report["kept_start"]}
+    assert set(improved) | kept == {"0", "1"}
+    for i in report["kept_start"]:  # a layer that could not improve is left exactly as built
+        assert torch.all(model.model.layers[i].self_attn.mixer.gate == 0)
+
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: HybridOperator(feature_dim=3), "model.operator.feature_dim"),
+        (lambda: HybridOperator(feature_dim=0), "model.operator.feature_dim"),
+        (lambda: HybridOperator(window_dropout=1.5), "model.operator.window_dropout"),
+        (lambda: HybridOperator(window=0), "model.operator.window"),
+    ],
+)
+def test_bad_hybrid_settings_name_the_field(make, field):
+    with pytest.raises(OperatorError, match=field):
+        make()
+
+
+def test_state_bytes_match_the_sink_recent_operator_it_is_compared_with():
+    """sink 4 + window 56 + feature_dim 16 at head_dim 64 holds the K/V of sink 4 + window 64 plus
+    64 bytes per KV head: the matched-bytes pair of the comparison."""
+    hybrid = HybridOperator(sink=4, window=56, feature_dim=16).make_block([0, 0, 0], 64, None)
+    plain = SinkRecentOperator(sink=4, window=64).make_block([0, 0, 0], 64, None)
+    assert hybrid.state_bytes(1) - plain.state_bytes(1) == 16 * 4

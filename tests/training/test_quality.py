@@ -1,0 +1,328 @@
+"""Conversion quality methods on tiny models: init from attention, attention transfer, the shared
+teacher and distillation losses, LoRA merge, freeze schedules."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import random_ids, tiny_model
+from helpers import MAMBA, run_cli, tiny_args
+from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
+from rfkit.training.lora import LoraSettings, apply_lora, lora_layers, merge_lora
+from rfkit.models.modeling import to_recurformer
+from rfkit.training.module import FreezeStage, check_schedule, stage_at, trainable_names
+from rfkit.conversion.operators import MambaOperator
+from rfkit.conversion.policies import PolicyError
+from rfkit.training.teacher import SharedTeacher
+from rfkit.training.transfer import TransferConfig, TransferError, capture, transfer
+
+SELECTED = [[0, 1], [2, 3]]  # GQA 4/2: one whole KV group per layer
+
+
+def converted(seed: int = 0, selected=SELECTED, operator=None):
+    original = tiny_model("llama", seed=seed)
+    model = to_recurformer(copy.deepcopy(original), selected, operator or MambaOperator())
+    return original, model.eval()
+
+
+class Replay(nn.Module):
+    """A stand-in mixer that returns recorded outputs: the converted model then equals the original."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.output = output
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x, **_):
+        return self.output
+
+
+def replayed(model, ids):
+    data = capture(model, ids, batch_size=len(ids), progress=False)
+    layers = model.get_decoder().layers
+    for i, (_, target) in data.items():
+        layers[i].self_attn.mixer = Replay(target)
+    return data
+
+
+# -- capture and transfer -------------------------------------------------------------------
+def test_capture_targets_rebuild_the_original_exactly():
+    original, model = converted()
+    ids = random_ids(2, 24)
+    data = replayed(model, ids)
+    assert set(data) == {0, 1}
+    values, target = data[0]
+    assert values.shape == (2, 24, 16) and target.shape == (2, 24, 32)  # 1 KV head in, 2 query heads out
+    with torch.no_grad():
+        expected = original(input_ids=ids).logits
+        got = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("space", ["heads", "output"])
+def test_transfer_reduces_each_layers_mse(space):
+    _, model = converted()
+    blocks = random_ids(8, 32, seed=3)
+    config = TransferConfig(steps=40, lr=3e-3, samples=8, batch_size=4, space=space)
+    report = transfer(model, blocks, config, progress=False)
+    assert report["mean_mse_before"] == pytest.approx(1.0)  # zero-initialised output: predicts 0
+    for layer in ("0", "1"):
+        assert report["mse_after_readout"][layer] < report["mse_before"][layer]
+        assert report["mse_after"][layer] < report["mse_after_readout"][layer]
+    assert report["mean_mse_after"] < 0.9
+
+
+def test_transfer_without_readout_still_learns():
+    _, model = converted()
+    blocks = random_ids(4, 32, seed=4)
+    report = transfer(model, blocks, TransferConfig(steps=30, samples=4, readout="none"), progress=False)
+    assert report["mse_after_readout"] == report["mse_before"]
+    assert report["mean_mse_after"] < report["mean_mse_before"]
+
+
+def test_transfer_leaves_the_pretrained_weights_alone():
+    _, model = converted()
+    before = {n: p.clone() for n, p in model.named_parameters() if ".mixer." not in n}
+    transfer(model, random_ids(4, 16), TransferConfig(steps=3, samples=4), progress=False)
+    for n, p in model.named_parameters():
+        if n in before:
+            assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("steps", -1, "model.transfer.steps: -1 is not allowed"),
+        ("samples", 0, "model.transfer.samples: 0 is not allowed"),
+        ("lr", 0.0, "model.transfer.lr: 0.0 is not allowed"),
+        ("readout", "svd", "model.transfer.readout: 'svd' is not allowed; allowed: lstsq, none"),
+        ("seq_len", 1, "model.transfer.seq_len: 1 is not allowed"),
+        ("space", "logits", "model.transfer.space: 'logits' is not allowed; allowed: heads, output"),
+        ("time_limit", 0, "model.transfer.time_limit: 0 is not allowed"),
+    ],
+)
+def test_transfer_settings_are_checked(field, value, message):
+    with pytest.raises(TransferError, match=message):
+        TransferConfig(**{field: value})
+
+
+# -- init from attention --------------------------------------------------------------------
+def test_from_attention_passes_values_and_scores_through():
+    from rfkit.training.module import init_from_attention
+
+    _, model = converted()
+    init_from_attention(model, MambaOperator())
+    layer = model.get_decoder().layers[0].self_attn
+    original = model.rf_originals[0]
+    mixer, hd = layer.mixer, layer.head_dim
+    v = torch.randn(5, hd)  # values of the layer's one mixer KV head
+    # The skip path: out_proj(D * silu(in_proj_x v)) gives every replaced head its group's values.
+    x = nn.functional.silu(v @ mixer.in_proj.weight[: mixer.d_inner].T)
+    skip = (mixer.D * x) @ mixer.out_proj.weight.T
+    torch.testing.assert_close(skip, v.repeat(1, len(layer.replaced_heads)), atol=1e-5, rtol=1e-5)
+    # C(v_i) . B(v_j) is the query-key score predicted from the values (full rank here: N = hd).
+    w = mixer.x_proj.weight
+    b_rows, c_rows = w[mixer.dt_rank : mixer.dt_rank + mixer.d_state, :hd], w[mixer.dt_rank + mixer.d_state :, :hd]
+    pinv = torch.linalg.pinv(original.v_proj.weight[:hd])
+    m_k = original.k_proj.weight[:hd] @ pinv
+    m_q = [original.q_proj.weight[h * hd : (h + 1) * hd] @ pinv for h in layer.replaced_heads]
+    gram = sum(q.T @ m_k for q in m_q) / len(m_q) * hd**-0.5
+    torch.testing.assert_close((v @ c_rows.T) @ (v @ b_rows.T).T, v @ gram @ v.T, atol=1e-3, rtol=1e-3)
+
+
+def test_from_attention_needs_expand_two():
+    from rfkit.training.module import init_from_attention
+    from rfkit.conversion.operators import OperatorError
+
+    operator = MambaOperator(expand=1)
+    _, model = converted(operator=operator)
+    with pytest.raises(OperatorError, match="expand >= 2"):
+        init_from_attention(model, operator)
+
+
+# -- teacher and distillation ---------------------------------------------------------------
+def test_shared_teacher_is_the_original_and_shares_modules():
+    original, model = converted()
+    ids = random_ids(2, 20)
+    teacher = SharedTeacher(model)
+    with torch.no_grad():
+        expected = original(input_ids=ids).logits
+    torch.testing.assert_close(teacher(input_ids=ids, use_cache=False).logits, expected, atol=1e-6, rtol=1e-6)
+    # afterwards the student is the converted model again (its mixers, not the originals)
+    assert all(hasattr(layer.self_attn, "mixer") for layer in model.get_decoder().layers)
+    memory = teacher.memory()
+    held = sum(p.numel() * 4 for m in model.rf_originals.values() for p in m.parameters())
+    assert memory["shared"] and memory["teacher_bytes"] == held < memory["full_copy_bytes"] / 2
+    copied = SharedTeacher(model, share_modules=False)
+    assert copied.memory()["teacher_bytes"] == memory["full_copy_bytes"]
+    torch.testing.assert_close(copied(input_ids=ids, use_cache=False).logits, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_distillation_losses_vanish_when_student_is_teacher():
+    _, model = converted()
+    ids = random_ids(2, 20)
+    replayed(model, ids)  # the student now computes exactly what the teacher does
+    teacher = SharedTeacher(model)
+    with torch.no_grad():
+        student = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    reference = teacher(input_ids=ids, use_cache=False, output_hidden_states=True)
+    assert float(kl_loss(student.logits, reference.logits, temperature=2.0)) == pytest.approx(0.0, abs=1e-6)
+    assert float(hidden_loss(student.hidden_states, reference.hidden_states)) == pytest.approx(0.0, abs=1e-10)
+
+
+def test_kl_loss_hand_computed():
+    teacher = torch.tensor([[[0.0, 0.0]]])  # p = (1/2, 1/2)
+    student = torch.tensor([[[0.0, torch.log(torch.tensor(3.0))]]])  # q = (1/4, 3/4)
+    expected = 0.5 * torch.log(torch.tensor(2.0)) + 0.5 * torch.log(torch.tensor(2 / 3))
+    assert float(kl_loss(student, teacher)) == pytest.approx(float(expected), rel=1e-5)
+    # temperature 2 on doubled logits is the same distribution, scaled by T^2
+    assert float(kl_loss(2 * student, 2 * teacher, temperature=2.0)) == pytest.approx(4 * float(expected), rel=1e-5)
+    mask = torch.tensor([[0]])
+    assert float(kl_loss(student, teacher, mask=mask)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kl": -1}, "model.distill.kl: -1 is not allowed"),
+        ({"temperature": 0}, "model.distill.temperature: 0 is not allowed"),
+        ({"ce": 0, "kl": 0, "hidden": 0}, "at least one weight must be > 0"),
+    ],
+)
+def test_distill_settings_are_checked(kwargs, message):
+    with pytest.raises(DistillError, match=message):
+        DistillConfig(**kwargs)
+
+
+# -- LoRA -----------------------------------------------------------------------------------
+def test_lora_merge_gives_identical_logits_and_plain_layers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rfkit.conversion.convert import save_converted
+    from rfkit.conversion.headmap import HeadMap
+
+    _, model = converted()
+    count = apply_lora(model, LoraSettings(r=4))
+    assert count == 2 * 7 - 0  # q, k, v, o, gate, up, down in both layers
+    torch.manual_seed(5)
+    for _, layer in lora_layers(model):
+        nn.init.normal_(layer.lora_B["default"].weight, std=0.05)  # a trained, non-zero adapter
+    ids = random_ids(2, 16)
+    with torch.no_grad():
+        with_adapters = model(input_ids=ids, use_cache=False).logits
+        teacher_view = SharedTeacher(model)(input_ids=ids, use_cache=False).logits
+    assert not torch.allclose(with_adapters, teacher_view)  # adapters change the model; the teacher ignores them
+    # the teacher leaves the adapters' requires_grad as it found them (a freeze stage may hold them)
+    for _, layer in lora_layers(model):
+        layer.requires_grad_(False)
+    SharedTeacher(model)(input_ids=ids, use_cache=False)
+    assert not any(p.requires_grad for _, layer in lora_layers(model) for p in layer.parameters())
+    from rfkit.models.layout import AttentionLayout
+    from rfkit.conversion.policies import ExplicitHeads
+
+    policy = ExplicitHeads(heads=SELECTED)
+    head_map = HeadMap.build("tiny", AttentionLayout.from_config(model.config), None, SELECTED, policy, {})
+    save_converted(model, head_map, tmp_path / "merged")
+    assert lora_layers(model) == []
+    with torch.no_grad():
+        merged = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(merged, with_adapters, atol=1e-5, rtol=1e-5)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in n for n, _ in reloaded.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, with_adapters, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_never_targets_the_new_blocks():
+    _, model = converted()
+    apply_lora(model, LoraSettings(target_modules=["out_proj", "o_proj"]))
+    names = [n for n, _ in lora_layers(model)]
+    assert names and all(".mixer." not in n for n in names)
+
+
+# -- freezing -------------------------------------------------------------------------------
+def test_freeze_presets_with_lora():
+    _, model = converted()
+    apply_lora(model, LoraSettings(r=2))
+    mixers = trainable_names(model, "mixers")
+    adapters = trainable_names(model, "lora")
+    assert mixers and all(".mixer." in n for n in mixers)
+    assert adapters and all(".lora_" in n for n in adapters)
+    assert trainable_names(model, "pretrained") == mixers | adapters
+    assert trainable_names(model, "all") == set()
+
+
+def test_freeze_schedule_stages():
+    schedule = check_schedule([{"freeze": "mixers", "steps": 3}, {"freeze": "pretrained", "steps": 2}, {"freeze": "none"}])
+    assert [stage_at(schedule, s) for s in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    closed = check_schedule([FreezeStage("mixers", 2), FreezeStage("lora", 2)])
+    assert stage_at(closed, 10) == 1
+    with pytest.raises(PolicyError, match=r"model.freeze_schedule\[0\].steps: only the last stage"):
+        check_schedule([{"freeze": "mixers"}, {"freeze": "none"}])
+    with pytest.raises(PolicyError, match=r"model.freeze_schedule\[1\].freeze: 'embeddings' is not allowed"):
+        check_schedule([{"freeze": "mixers", "steps": 1}, {"freeze": "embeddings"}])
+
+
+# -- through rfkit fit ----------------------------------------------------------------------
+def test_fit_with_transfer_distillation_lora_and_schedule(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    args = [  # the Mamba recipe: init from_attention is a Mamba block's
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path, recipe=MAMBA),
+        "--trainer.max_steps", "4",
+        "--model.init", "from_attention",
+        "--model.transfer.steps", "5",
+        "--model.transfer.samples", "4",
+        "--model.distill.kl", "1.0",
+        "--model.distill.hidden", "0.5",
+        "--model.lora.r", "2",
+        "--model.gradient_checkpointing", "true",
+        "--model.freeze_schedule", '[{"freeze": "mixers", "steps": 2}, {"freeze": "pretrained"}]',
+    ]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
+    assert summary["train_tokens"] > 0
+    assert summary["transfer"]["mean_mse_after"] < summary["transfer"]["mean_mse_before"]
+    assert summary["shared"] is True and summary["teacher_bytes"] < summary["full_copy_bytes"]
+    assert summary["lora_layers"] > 0
+    assert summary["ppl_converted"] > 0
+    model = AutoModelForCausalLM.from_pretrained(summary["model_dir"])
+    assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_fit_rejects_a_shared_teacher_with_trained_shared_weights(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path), "--model.freeze", "none", "--model.distill.kl", "1"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2
+    assert "model.distill.share_modules" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--model.transfer.steps", "-1"], "model.transfer.steps"),
+        (["--model.transfer.space", "logits"], "model.transfer.space"),
+        (["--model.distill.temperature", "0"], "model.distill.temperature"),
+        (["--model.lora.r", "0"], "model.lora.r"),
+        (["--model.init", "identity"], "model.init"),
+        (["--model.freeze_schedule", '[{"freeze": "mixers"}, {"freeze": "lora"}]'], "model.freeze_schedule[0].steps"),
+    ],
+)
+def test_bad_quality_settings_are_one_line_before_loading(extra, field, monkeypatch, tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    import rfkit.conversion.convert
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(rfkit.conversion.convert, "load_base_model", no_loading)
+    code, _, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path), *extra], capsys)
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+    assert len(lines) == 1 and field in lines[0], err[-2000:]
+    assert "Traceback" not in err
