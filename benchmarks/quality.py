@@ -59,7 +59,7 @@ def parse_args(argv):
 def end_to_end(model, train_blocks, batch_size, deadline, distill, lr, lora_lr, seed=0) -> int:
     """Train the new blocks (and LoRA adapters, if any) until ``deadline``; returns tokens seen."""
     from rfkit.training.distill import training_loss
-    from rfkit.training.module import apply_freeze
+    from rfkit.training.freeze import apply_freeze
     from rfkit.training.teacher import SharedTeacher
 
     apply_freeze(model, "pretrained")
@@ -101,7 +101,7 @@ def run_method(method, base, head_map, operator, datamodule, budget, args) -> di
     deadline = started + budget
     row = {"method": method, "params_added": added, "params_removed": removed, "train_tokens": 0}
     if method == "fa_transfer":
-        from rfkit.training.module import init_from_attention
+        from rfkit.training.freeze import init_from_attention
 
         init_from_attention(model, operator)
     if method != "baseline":

@@ -70,7 +70,7 @@ def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     """Send the packed-block cache to a temp dir shared by the requesting module's tests."""
-    from rfkit import data
+    from rfkit.data import datamodule as data  # TextDataModule.cache_path looks data_cache_dir up there
 
     root = tmp_path_factory.mktemp("data-cache")
     mp = pytest.MonkeyPatch()

@@ -21,34 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
 RFKIT = Path(sys.executable).with_name("rfkit")
 
-# The policy of the README's "Write your own policy" section, checked below.
-README_POLICY = '''
-from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError
+# The docs page whose "Write your own policy" section shows a complete policy. The tests run
+# that code as it stands on the page (read from it, not copied here), so the page cannot drift.
+DOCS_PAGE = ROOT / "docs" / "extending.md"
+POLICY_SECTION = "## Write your own policy"
 
 
-class RecentHeads(HeadSelectionPolicy):
-    """Replace every query head whose mean recency ratio reaches `threshold`."""
-
-    needs_profile = True  # select() gets the calibration profile
-
-    def __init__(self, threshold: float = 0.8, window: int = 51, keep_first: int = 1):
-        super().__init__(beta=0.0)  # set from the selection in select()
-        self.threshold, self.window, self.keep_first = threshold, window, keep_first
-
-    def profile_settings(self) -> dict:  # what the profiler measures (and caches)
-        return {"window": self.window, "alpha": self.threshold, "exclude_first_token": True}
-
-    def select(self, layout, profile) -> list[list[int]]:
-        if profile is None:
-            raise PolicyError("model.policy: RecentHeads needs calibration data (a data section)")
-        selected = [
-            [h for h, rr in enumerate(profile.rr_mean[layer]) if rr >= self.threshold]
-            if layer >= self.keep_first else []  # the first layers keep all their heads
-            for layer in range(layout.num_layers)
-        ]
-        self.beta = sum(map(len, selected)) / layout.total_heads  # recorded in the head map
-        return selected
-'''
+def docs_policy() -> str:
+    """The first ```python block of the "Write your own policy" section of ``DOCS_PAGE``."""
+    text = DOCS_PAGE.read_text()
+    assert f"\n{POLICY_SECTION}\n" in text, f"{DOCS_PAGE.name} has no '{POLICY_SECTION}' section"
+    section = text.split(f"\n{POLICY_SECTION}\n", 1)[1].split("\n## ", 1)[0]
+    assert "```python\n" in section, f"the '{POLICY_SECTION}' section of {DOCS_PAGE.name} has no ```python block"
+    code = section.split("```python\n", 1)[1]
+    assert "\n```" in code, f"the ```python block of '{POLICY_SECTION}' is not closed"
+    return code.split("\n```", 1)[0] + "\n"
 
 
 def _env(*sites: Path, cache: Path) -> dict:
@@ -264,23 +251,23 @@ try:
 except PolicyError as err:
     res["no_entropy"] = str(err)
 
-# the README's example policy, as my_policies.py in the working directory
+# the docs' example policy, as my_policies.py in the working directory
 import sys
 from pathlib import Path
 
-Path("my_policies.py").write_text(README_POLICY)
+Path("my_policies.py").write_text(DOCS_POLICY)
 sys.path.insert(0, ".")
 from my_policies import RecentHeads
 
 profile.rr_mean = [[0.9, 0.2, 0.85, 0.1], [0.9, 0.79, 0.8, 0.3]]
 policy = RecentHeads(threshold=0.8, window=8)
-res["readme"] = [policy.select(layout, profile), policy.beta, policy.profile_settings()]
+res["docs"] = [policy.select(layout, profile), policy.beta, policy.profile_settings()]
 # named in a recipe: the CLI parses its arguments against the signature
 from rfkit.config.lightning_cli import make_cli
 
 cli = make_cli(["--config", sys.argv[1], "--model.policy", "my_policies.RecentHeads",
                 "--model.policy.init_args.threshold", "0.7"], run=False)
-res["readme_cli"] = [type(cli.model.policy).__name__, cli.model.policy.threshold, cli.model.policy.window]
+res["docs_cli"] = [type(cli.model.policy).__name__, cli.model.policy.threshold, cli.model.policy.window]
 print(json.dumps(res))
 """
 
@@ -289,7 +276,7 @@ print(json.dumps(res))
 def mixer_checks(plugin_site, tiny_model_dir, tiny_corpus, tmp_path_factory) -> dict:
     cwd = tmp_path_factory.mktemp("plugin-checks")
     recipe = tiny_recipe(tiny_model_dir, tiny_corpus, cwd)
-    code = f"README_POLICY = {README_POLICY!r}\n{MIXER_CHECKS}"
+    code = f"DOCS_POLICY = {docs_policy()!r}\n{MIXER_CHECKS}"
     proc = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True, cwd=cwd,
                           env=_env(plugin_site, cache=cwd / "cache"), timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -328,21 +315,21 @@ def test_entropy_policy_ranks_units_by_entropy(mixer_checks):
     assert "\n" not in mixer_checks["no_entropy"]
 
 
-def test_the_readme_shows_this_policy_in_under_30_lines():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Write your own policy", 1)[1].split("\n## ", 1)[0]
-    assert README_POLICY.strip() in section
-    assert len(README_POLICY.strip().splitlines()) < 30
+def test_the_docs_show_this_policy_in_under_30_lines():
+    code = docs_policy()
+    assert "class RecentHeads(HeadSelectionPolicy):" in code  # the class the checks below import
+    assert "from rfkit.policies import" in code  # the public import path, as plugins use it
+    assert len(code.strip().splitlines()) < 30
 
 
-def test_readme_example_policy_selects_from_the_profile(mixer_checks):
-    selected, beta, settings = mixer_checks["readme"]
+def test_docs_example_policy_selects_from_the_profile(mixer_checks):
+    selected, beta, settings = mixer_checks["docs"]
     assert selected == [[], [0, 2]]  # layer 0 kept; RR >= 0.8 in layer 1
     assert beta == 2 / 8
     assert settings == {"window": 8, "alpha": 0.8, "exclude_first_token": True}
     # named by class_path on the command line; window 4 is carried over from the recipe's policy
     # (jsonargparse keeps the init_args that the new class also takes)
-    assert mixer_checks["readme_cli"] == ["RecentHeads", 0.7, 4]
+    assert mixer_checks["docs_cli"] == ["RecentHeads", 0.7, 4]
 
 
 def test_a_plugin_that_fails_to_import_stops_the_cli_with_one_line(

@@ -115,8 +115,8 @@ def describe_error(err: BaseException, argv: list[str]) -> tuple[str, int] | Non
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``rfkit`` console script: look the command up in :data:`COMMANDS`, run it, exit with
-    its code; a user error is one line on stderr."""
+    """The ``rfkit`` console script: look the command up in :data:`COMMANDS` and run it; a
+    nonzero exit code is raised as SystemExit, a user error is one line on stderr first."""
     argv = sys.argv[1:] if args is None else list(args)
     logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
@@ -141,6 +141,10 @@ def main(args: list[str] | None = None) -> None:
         if command.plugins:
             load_plugins()
         code = command.load()(argv if command.lightning else argv[1:])
+    except SystemExit as err:  # a parse error (rfkit.config.lightning_cli.ParseError) or a plain exit
+        if hasattr(err, "message"):
+            sys.stderr.write(f"{prog}: error: {err.message}\n")
+        raise
     except Exception as err:
         described = describe_error(err, argv)
         if described is None:
@@ -148,7 +152,8 @@ def main(args: list[str] | None = None) -> None:
         line, code = described
         sys.stderr.write(f"{prog}: error: {line}\n")
         raise SystemExit(code) from None
-    raise SystemExit(code or 0)
+    if code:  # 0 returns normally (the console script then exits 0), as a Python caller expects
+        raise SystemExit(code)
 
 
 def _raised_in(err: BaseException, function: str) -> bool:

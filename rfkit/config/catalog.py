@@ -15,7 +15,6 @@ its atomic write); it imports neither torch nor transformers, though ``import rf
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from rfkit.config.args import OneLineParser
 from rfkit.errors import RFKitError
 
 PACKAGE = "rfkit.recipes"
@@ -199,26 +199,26 @@ USAGE = "list | show NAME | cp NAME DEST [--force]"
 _SYNOPSIS = {"show": ["NAME"], "cp": ["NAME", "DEST"]}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line :class:`CatalogError` (no usage dump), so that
-    :func:`main` prints them and returns 2: the contract of :class:`rfkit.config.loading.OneLineParser`,
-    restated here because rfkit.config.loading imports torch."""
+class _Parser(OneLineParser):
+    """:class:`~rfkit.config.args.OneLineParser` raising :class:`CatalogError`, with the
+    messages of ``rfkit recipes`` (its command names and usage)."""
 
-    def error(self, message):
-        message = " ".join(message.split())
+    error_class = CatalogError
+
+    def explain(self, message):
         command = self.prog.split()[-1]  # "recipes", or the subcommand: "list", "show", "cp"
         if command == "recipes" and "required" in message:
-            message = f"give a command: {USAGE}"
-        elif "invalid choice" in message:
+            return f"give a command: {USAGE}"
+        if "invalid choice" in message:
             found = re.search(r"invalid choice: '([^']*)'", message)
-            message = f"command: '{found.group(1) if found else '?'}' is not one of list, show, cp"
-        elif "required" in message:
+            return f"command: '{found.group(1) if found else '?'}' is not one of list, show, cp"
+        if "required" in message:
             example = "smollm2_b05 my_recipe.yaml" if command == "cp" else "smollm2_b05"
-            message = f"{command}: needs {' and '.join(_SYNOPSIS[command])}, like: rfkit recipes {command} {example}"
-        elif message.startswith("unrecognized arguments:"):
+            return f"{command}: needs {' and '.join(_SYNOPSIS[command])}, like: rfkit recipes {command} {example}"
+        if message.startswith("unrecognized arguments:"):
             extra = message.split(":", 1)[1].strip()
-            message = f"unrecognized argument(s) '{extra}'; usage: rfkit recipes {USAGE}"
-        raise CatalogError(message)
+            return f"unrecognized argument(s) '{extra}'; usage: rfkit recipes {USAGE}"
+        return super().explain(message)
 
 
 def build_parser() -> _Parser:
@@ -256,7 +256,8 @@ def copy_recipe(name: str, dest: str, force: bool = False) -> Path:
 
 def main(argv: list[str]) -> int:
     """``rfkit recipes list | show NAME | cp NAME DEST [--force]``; returns the exit code:
-    0, 2 after a one-line error on stderr, 1 when stdout was closed early (a pipe into head)."""
+    0, or 1 when stdout was closed early (a pipe into head). Bad input raises
+    :class:`CatalogError` for :mod:`rfkit.cli` to print (exit code 2)."""
     try:
         args = build_parser().parse_args(argv)
         if args.command == "list":

@@ -8,9 +8,7 @@ one line before anything loads.
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,22 +19,6 @@ from rfkit.errors import RFKitError
 
 class ModelSpecError(RFKitError):
     """A bad ``--model`` (or other command-line) value; the message is one line for the user."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are raised as ``error_class`` with one line (no usage dump), so that
-    the command's entry point prints them and exits 2."""
-
-    error_class: type[RFKitError] = ModelSpecError
-    value_hints: dict[str, str] = {}
-
-    def error(self, message):
-        message = " ".join(message.split())
-        found = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
-        if found:
-            hint = self.value_hints.get(found.group(1), "")
-            message = f"{found.group(1)}: needs a value{hint}"
-        raise self.error_class(message)
 
 
 def check_model_spec(spec: str, require_converted: bool = True, flag: str = "--model") -> str:

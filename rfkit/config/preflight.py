@@ -142,7 +142,7 @@ def preflight(subcommand: str | None, config) -> None:
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
     """
     from rfkit.atomic import check_writable
-    from rfkit.training.module import check_model_source
+    from rfkit.models.source import check_model_source
 
     model, data, trainer = config.get("model"), config.get("data"), config.get("trainer")
     base_model = model.get("base_model") if model is not None else None

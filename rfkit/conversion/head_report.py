@@ -11,8 +11,8 @@ The paper's head analyses (RecurFormer Fig. 5, Fig. 6 and Table 5):
   attention output compared with the other tokens (definitions in :data:`DEFINITIONS`).
 
 All of it comes from one extra forward pass over the calibration blocks with an attention
-function of our own (registered with transformers' ``AttentionInterface``) that computes the
-attention in query chunks, as :mod:`rfkit.conversion.profile` does, returns the same output, and adds
+function of our own (installed with :func:`rfkit.conversion.profile.capture_attention`) that
+computes the attention in query chunks, as profiling does, returns the same output, and adds
 up the statistics on the way: memory stays constant in the number of blocks.
 """
 
@@ -22,18 +22,19 @@ import itertools
 import logging
 import math
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+from rfkit.conversion.profile import capture_attention
 from rfkit.models.layout import AttentionLayout
 
 log = logging.getLogger(__name__)
 
 REPORT_ATTENTION = "rfkit_report"
+_OUTSIDE = "rfkit report attention called outside write_head_report()"
 
 # Per (layer, query head), statistics of these quantities are kept: running count, sum and sum
 # of squares in float64. Query positions i run over 1..L-1 (row 0 only sees token 0, so it has
@@ -138,43 +139,6 @@ class _ReportCollector:
             self.samples += B
             self.seq_len = L
         return out.transpose(1, 2).contiguous()  # (B, L, H, d) as HF attention functions return
-
-
-_ACTIVE: _ReportCollector | None = None
-
-
-def _report_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if _ACTIVE is None:
-        raise RuntimeError("rfkit report attention called outside write_head_report()")
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _ACTIVE.attend(module, query, key, value, scaling), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(REPORT_ATTENTION, _report_attention)
-    try:  # blocks are unpadded and causality is applied in attend(); the mask must still be built
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionMaskInterface.register(REPORT_ATTENTION, sdpa_mask)
-    except ImportError:  # older transformers without a mask registry
-        pass
-
-
-@contextmanager
-def _collecting(model, collector: _ReportCollector):
-    """Swap in the report attention for the duration; the previous implementation comes back."""
-    global _ACTIVE
-    _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(REPORT_ATTENTION)
-    _ACTIVE = collector
-    try:
-        yield
-    finally:
-        _ACTIVE = None
-        model.set_attn_implementation(previous)
 
 
 def pick_heads(head_map: HeadMap) -> list[tuple[str, int, int]]:
@@ -357,7 +321,7 @@ def collect(model, batches, tracked, max_samples: int = 8, map_tokens: int = 128
     model.eval()
     bar = tqdm(total=total, desc="head report", unit="block", disable=not progress)
     try:
-        with _collecting(model, collector):
+        with capture_attention(model, collector, REPORT_ATTENTION, _OUTSIDE):
             for batch in itertools.chain([first], batches):
                 ids = _input_ids(batch)[: max_samples - collector.samples].to(device)
                 model(input_ids=ids, use_cache=False)

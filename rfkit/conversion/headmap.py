@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rfkit.atomic import atomic_write
 from rfkit.errors import RFKitError
+from rfkit.validate import is_int, positive_int
 from rfkit.models.layout import AttentionLayout, LayoutError
 from rfkit.conversion.profile import HeadProfile
 
@@ -235,15 +236,13 @@ class HeadMap:
         if missing:
             raise bad(f"missing {', '.join(missing)}")
         for key in ("num_layers", "num_heads", "num_kv_heads"):
-            value = raw[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(f"{key} is {value!r}; allowed: an integer >= 1")
+            positive_int(key, raw[key], error=bad, message="{field} is {value!r}; allowed: an integer >= {minimum}")
         selected = raw["selected"]
         if not isinstance(selected, list) or len(selected) != raw["num_layers"]:
             raise bad(f"selected must be a list of num_layers = {raw['num_layers']} lists of query-head indices")
         for layer, heads in enumerate(selected):
             if not isinstance(heads, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < raw["num_heads"] for h in heads
+                is_int(h) and 0 <= h < raw["num_heads"] for h in heads
             ):
                 raise bad(f"selected[{layer}] = {heads!r}; allowed: indices 0..{raw['num_heads'] - 1}")
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}

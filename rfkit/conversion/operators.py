@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rfkit.errors import RFKitError
+from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, one_of, positive_int
 
 
 class OperatorError(RFKitError):
@@ -71,10 +72,8 @@ class ReplacementOperator(ABC):
         return cls(**spec.get("init_args", {}))
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OperatorError(f"model.operator.{name}: {value!r} is not allowed; must be an integer >= 1")
-    return value
+def _positive_int(name: str, value, minimum: int = 1, multiple_of: int = 1, message: str = INTEGER_NOT_ALLOWED) -> int:
+    return positive_int(f"model.operator.{name}", value, minimum, multiple_of=multiple_of, error=OperatorError, message=message)
 
 
 class MambaOperator(ReplacementOperator):
@@ -111,11 +110,7 @@ class MambaOperator(ReplacementOperator):
         if dt_rank != "auto":
             _positive_int("dt_rank", dt_rank)
         self.dt_rank = dt_rank
-        if use_fast_path not in ("auto", "always", "never"):
-            raise OperatorError(
-                f"model.operator.use_fast_path: {use_fast_path!r} is not allowed; allowed: auto, always, never"
-            )
-        self.use_fast_path = use_fast_path
+        self.use_fast_path = one_of("model.operator.use_fast_path", use_fast_path, ("auto", "always", "never"), error=OperatorError)
         self.zero_init_output = bool(zero_init_output)
 
     def init_args(self) -> dict:
@@ -259,9 +254,7 @@ class SinkRecentOperator(SlidingWindowOperator):
 
     def __init__(self, sink: int = 4, window: int = 60):
         super().__init__(window)
-        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-            raise OperatorError(f"model.operator.sink: {sink!r} is not allowed; must be an integer >= 0")
-        self.sink = sink
+        self.sink = _positive_int("sink", sink, minimum=0)
 
     def init_args(self) -> dict:
         return {"sink": self.sink, "window": self.window}
@@ -293,12 +286,9 @@ class HybridOperator(SinkRecentOperator):
 
     def __init__(self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5):
         super().__init__(sink=sink, window=window)
-        if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 2 or feature_dim % 2:
-            raise OperatorError(f"model.operator.feature_dim: {feature_dim!r} is not allowed; must be an even integer >= 2")
-        self.feature_dim = feature_dim
-        if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0 <= window_dropout <= 1:
-            raise OperatorError(f"model.operator.window_dropout: {window_dropout!r} is not allowed; must be a number in [0, 1]")
-        self.window_dropout = float(window_dropout)
+        even = "{field}: {value!r} is not allowed; must be an even integer >= {minimum}"
+        self.feature_dim = _positive_int("feature_dim", feature_dim, minimum=2, multiple_of=2, message=even)
+        self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
 
     def init_args(self) -> dict:
         return {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 from rfkit.errors import RFKitError
+from rfkit.validate import boolean, fraction, is_int, one_of, positive_int
 from rfkit.models.layout import AttentionLayout
 from rfkit.conversion.profile import HeadProfile
 
@@ -47,10 +48,8 @@ class HeadSelectionPolicy(ABC):
     allow_all_heads: bool = False
 
     def __init__(self, beta: float = 0.5, allow_all_heads: bool = False):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= float(beta) <= 1.0:
-            raise PolicyError(f"model.policy.beta: {beta!r} is not allowed; beta must lie in [0, 1]")
-        if not isinstance(allow_all_heads, bool):
-            raise PolicyError(f"model.policy.allow_all_heads: {allow_all_heads!r} is not allowed; give true or false")
+        fraction("model.policy.beta", beta, error=PolicyError, message="{field}: {value!r} is not allowed; beta must lie {bounds}")
+        boolean("model.policy.allow_all_heads", allow_all_heads, error=PolicyError)
         self.beta = float(beta)
         self.allow_all_heads = allow_all_heads
 
@@ -150,13 +149,10 @@ class RecencyRatioPolicy(HeadSelectionPolicy):
     ):
         super().__init__(beta, allow_all_heads)
         self.keep_layers = _check_layers("keep_layers", keep_layers)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise PolicyError(f"model.policy.window: {window!r} is not allowed; window must be an integer >= 1")
-        if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-            raise PolicyError(f"model.policy.alpha: {alpha!r} is not allowed; alpha must lie in [0, 1]")
+        positive_int("model.policy.window", window, error=PolicyError, message="{field}: {value!r} is not allowed; window must be an integer >= {minimum}")
+        fraction("model.policy.alpha", alpha, error=PolicyError, message="{field}: {value!r} is not allowed; alpha must lie {bounds}")
         _check_granularity(granularity)
-        if scope not in ("global", "per_layer"):
-            raise PolicyError(f"model.policy.scope: {scope!r} is not allowed; allowed: global, per_layer")
+        one_of("model.policy.scope", scope, ("global", "per_layer"), error=PolicyError)
         self.window, self.alpha = window, float(alpha)
         self.exclude_first_token = bool(exclude_first_token)
         self.granularity, self.scope = granularity, scope
@@ -213,16 +209,14 @@ def units_to_heads(layout: AttentionLayout, units, granularity: str) -> Selectio
 
 
 def _check_granularity(granularity: str) -> str:
-    if granularity not in ("kv_group", "query_head"):
-        raise PolicyError(f"model.policy.granularity: {granularity!r} is not allowed; allowed: kv_group, query_head")
-    return granularity
+    return one_of("model.policy.granularity", granularity, ("kv_group", "query_head"), error=PolicyError)
 
 
 def _check_layers(field: str, layers, num_layers: int | None = None) -> list[int]:
     """A list of distinct layer indices (>= 0, and < ``num_layers`` when known)."""
     if layers is None:
         return []
-    if isinstance(layers, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+    if isinstance(layers, (str, bytes)) or not all(is_int(i) for i in layers):
         raise PolicyError(f"model.policy.{field}: {layers!r} is not allowed; give a list of layer indices")
     bad = [i for i in layers if i < 0 or (num_layers is not None and i >= num_layers)]
     if bad:
@@ -309,8 +303,7 @@ class LayerwisePolicy(HeadSelectionPolicy):
         allow_all_heads: bool = False,
     ):
         super().__init__(beta, allow_all_heads)
-        if choose not in ("spread", "recency"):
-            raise PolicyError(f"model.policy.choose: {choose!r} is not allowed; allowed: spread, recency")
+        one_of("model.policy.choose", choose, ("spread", "recency"), error=PolicyError)
         self.layers = _check_layers("layers", layers) if layers is not None else None
         self.choose = choose
         self._recency = RecencyRatioPolicy(window, alpha, beta, exclude_first_token, allow_all_heads=allow_all_heads)  # validates

@@ -22,9 +22,9 @@ attention. A head's entropy in one sample is the mean of E_h,i over the counted 
 profile keeps its mean over samples (``entropy_mean``).
 
 The attention is never materialised for the whole model: profiling swaps in an attention
-function (registered with transformers' ``AttentionInterface``) that computes each layer's
-output in query chunks and accumulates the RR sums and row entropies on the way, so peak
-memory is O(chunk x L) for one layer.
+function (:func:`capture_attention`, registered with transformers' ``AttentionInterface``)
+that computes each layer's output in query chunks and accumulates the RR sums and row
+entropies on the way, so peak memory is O(chunk x L) for one layer.
 
 Under ``torch.distributed`` (a DDP or FSDP run with more than one process), each rank profiles
 only its shard of the calibration batches (batch ``i`` on rank ``i % world_size``) and the counts
@@ -166,39 +166,63 @@ class _RecencyCollector:
         return torch.where(counted, per_row, torch.zeros_like(per_row)).sum(-1)
 
 
-_ACTIVE: _RecencyCollector | None = None
+# attention implementation name -> the collector of the capture in progress under that name
+_ACTIVE: dict[str, object] = {}
+# attention implementation name -> the error raised when it runs outside a capture
+_OUTSIDE: dict[str, str] = {}
 
 
-def _profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if _ACTIVE is None:
-        raise RuntimeError("rfkit profiling attention called outside profile_heads()")
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _ACTIVE.attend(module, query, key, value, scaling), None
+def _capture_function(name: str):
+    """The attention function registered as ``name``: hands each layer's call to the active
+    collector's ``attend``."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        collector = _ACTIVE.get(name)
+        if collector is None:
+            raise RuntimeError(_OUTSIDE[name])
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return collector.attend(module, query, key, value, scaling), None
+
+    return attention
 
 
-def _register() -> None:
+def _register(name: str, outside: str) -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(PROFILE_ATTENTION, _profile_attention)
-    try:  # the mask is not used (blocks are unpadded; causality is applied above), but must be built
+    _OUTSIDE[name] = outside
+    AttentionInterface.register(name, _capture_function(name))
+    try:  # the mask is not used (blocks are unpadded; causality is applied in attend()), but must be built
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionMaskInterface.register(PROFILE_ATTENTION, sdpa_mask)
+        AttentionMaskInterface.register(name, sdpa_mask)
     except ImportError:  # older transformers without a mask registry
         pass
 
 
 @contextmanager
-def _profiling(model, collector):
-    global _ACTIVE
-    _register()
+def capture_attention(
+    model,
+    collector,
+    name: str = PROFILE_ATTENTION,
+    outside: str = "rfkit profiling attention called outside profile_heads()",
+):
+    """Run every attention layer of ``model`` through ``collector.attend(module, query, key,
+    value, scaling)`` for the duration; the previous attention implementation comes back after.
+
+    ``attend`` gets query (B, H, L, d) and key/value (B, Hkv, L, d) after RoPE, must apply the
+    causal mask itself (unpadded blocks only) and returns the attention output (B, L, H, d), as
+    HF attention functions do. The function is registered with transformers'
+    ``AttentionInterface`` under ``name``; ``outside`` is the error it raises when called with
+    no capture under way. Used by :func:`profile_heads` and by :mod:`rfkit.conversion.head_report`.
+    """
+    _register(name, outside)
     previous = model.config._attn_implementation
-    model.set_attn_implementation(PROFILE_ATTENTION)
-    _ACTIVE = collector
+    model.set_attn_implementation(name)
+    _ACTIVE[name] = collector
     try:
         yield
     finally:
-        _ACTIVE = None
+        _ACTIVE.pop(name, None)
         model.set_attn_implementation(previous)
 
 
@@ -259,7 +283,7 @@ def profile_heads(
     seq_len = 0
     was_training = model.training
     model.eval()
-    with _profiling(model, collector):
+    with capture_attention(model, collector):
         for i, batch in enumerate(tqdm(batches, desc="profiling heads", disable=not progress or rank != 0, unit="batch")):
             if i % world != rank:  # another rank's shard
                 continue

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from rfkit.config.loading import ModelSpecError, OneLineParser, check_lengths_fit, check_model_spec, check_output_file
+from rfkit.config.args import OneLineParser
+from rfkit.config.loading import ModelSpecError, check_lengths_fit, check_model_spec, check_output_file
 from rfkit.config.loading import model_config, torch_device
+from rfkit.validate import positive_int as _positive_int
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,7 @@ def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: 
 
 def positive_int(args, name: str, minimum: int = 1) -> int:
     """``args.<name>`` must be an integer >= minimum; the flag is named in the error."""
-    value = getattr(args, name)
-    flag = "--" + name.replace("_", "-")
-    if not isinstance(value, int) or value < minimum:
-        raise EvalError(f"{flag}: must be an integer >= {minimum}, got {value!r}")
-    return value
+    return _positive_int("--" + name.replace("_", "-"), getattr(args, name), minimum, error=EvalError)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ import random
 import re
 import time
 
+from rfkit.config.args import parse_depths, parse_lengths
 from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, greedy_generate, positive_int
 from rfkit.evals.common import write_json
 
@@ -35,41 +36,6 @@ FILLER_SENTENCES = [part + "." for part in FILLER[:-1].split(". ")]
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 NEW_TOKENS = 8
-
-
-# ----------------------------------------------------------------------------- parsing
-def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
-    """``"512,1024"`` -> ``[512, 1024]``; anything but positive integers is an EvalError."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    if not parts:
-        raise EvalError(f"{flag}: give at least one positive integer, like 512,1024")
-    values = []
-    for part in parts:
-        try:
-            value = int(part.replace("_", ""))
-        except ValueError:
-            raise EvalError(f"{flag}: '{part}' is not an integer; give positive integers like 512,1024") from None
-        if value <= 0:
-            raise EvalError(f"{flag}: lengths must be positive integers, got {value}")
-        values.append(value)
-    return values
-
-
-def parse_depths(text: str, flag: str = "--depths") -> list[float]:
-    """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]``; each must be a number in [0, 1]."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    if not parts:
-        raise EvalError(f"{flag}: give at least one depth in [0, 1], like 0,0.5,1")
-    values = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise EvalError(f"{flag}: '{part}' is not a number; give depths in [0, 1] like 0,0.5,1") from None
-        if not 0.0 <= value <= 1.0:  # also rejects nan
-            raise EvalError(f"{flag}: depths must be in [0, 1] (0 = start, 1 = end), got {part}")
-        values.append(value)
-    return values
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -237,8 +203,8 @@ def _spec_tokenizer(spec: str):
 
 def validate(args) -> None:
     """Every check that needs no weights (the tokenizer is loaded to size the template)."""
-    args.length_list = parse_lengths(args.lengths)
-    args.depth_list = parse_depths(args.depths)
+    args.length_list = parse_lengths(args.lengths, "--lengths", example="512,1024", error=EvalError)
+    args.depth_list = parse_depths(args.depths, "--depths", error=EvalError)
     positive_int(args, "trials")
     positive_int(args, "new_tokens")
     positive_int(args, "batch_size")

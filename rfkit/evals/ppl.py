@@ -61,7 +61,7 @@ def sliding_window_nll(model, ids, block_size: int, stride: int) -> tuple[float,
     ``stride == block_size`` this is plain blockwise evaluation: each block loses its first
     token. Returns ``(nll_sum, scored_tokens)``; the sum is accumulated in float64.
     """
-    from rfkit.training.module import summed_nll
+    from rfkit.training.losses import summed_nll
 
     if not 0 < stride <= block_size:
         raise ValueError(f"stride must be in [1, block_size], got stride {stride}, block_size {block_size}")

@@ -21,7 +21,7 @@ EVAL_TASKS = {
     "lm-eval": "rfkit.evals.lm_eval",
 }
 # data generator name -> module; each has add_data_arguments(parser), validate_data(args), run_data(args) -> int
-DATA_GENERATORS = {"hashhop": "rfkit.evals.hashhop"}
+DATA_GENERATORS = {"hashhop": "rfkit.evals.hashhop_samples"}
 
 
 def _pick(kind: str, name: str | None, table: dict[str, str]) -> str:

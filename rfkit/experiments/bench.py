@@ -11,6 +11,8 @@ speed). Both models run in the same process on random token ids, as in the paper
 
 Every number is measured; the analytic cache prediction is printed beside the measurement,
 never instead of it.
+
+One module: cache and speed share the model pair, random inputs, parser and report (~150 lines each).
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
-import re
 import statistics
 import sys
 import time
@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
-from rfkit.errors import RFKitError
-from rfkit.config.loading import DTYPE_NAMES, OneLineParser, check_output_file, converted_from_recipe, torch_device
+from rfkit.config.args import OneLineParser, parse_bytes, parse_lengths
+from rfkit.config.loading import DTYPE_NAMES, check_output_file, converted_from_recipe, torch_device
 from rfkit.config.loading import check_model_spec as _check_spec
+from rfkit.errors import RFKitError
+from rfkit.validate import POSITIVE_INTEGER, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -41,48 +43,13 @@ class BenchError(RFKitError):
 
 
 # ----------------------------------------------------------------------------- argument parsing
-def parse_lengths(text: str, flag: str) -> list[int]:
-    """``"1024,10240"`` -> ``[1024, 10240]``; anything but positive integers is a BenchError."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    values = []
-    for part in parts:
-        try:
-            value = int(part.replace("_", ""))
-        except ValueError:
-            raise BenchError(f"{flag}: '{part}' is not an integer; give positive integers like 1024,10240") from None
-        if value <= 0:
-            raise BenchError(f"{flag}: lengths must be positive integers, got {value}")
-        values.append(value)
-    if not values:
-        raise BenchError(f"{flag}: give at least one positive integer, like 1024,10240")
-    return values
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str, flag: str = "--max-input") -> int:
-    """``"512MiB"``, ``"2GB"``, ``"1000000"`` -> bytes."""
-    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not found or found.group(2).lower() not in _UNITS:
-        raise BenchError(f"{flag}: '{text}' is not a byte budget; give a number with an optional unit, like 512MiB or 2GB")
-    value = int(float(found.group(1)) * _UNITS[found.group(2).lower()])
-    if value <= 0:
-        raise BenchError(f"{flag}: the budget must be positive, got '{text}'")
-    return value
-
-
-class _Parser(OneLineParser):
-    """argparse with one-line errors and exit code 2 (no usage dump)."""
-
-    error_class = BenchError
-    value_hints = {"--max-input": " (a memory budget, like 512MiB or 2GB)"}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rfkit bench", description="Measure cache size and speed: original vs converted.")
-    sub = parser.add_subparsers(dest="what", required=True, metavar="cache|speed", parser_class=_Parser)
-    common = _Parser(add_help=False)
+    parser = OneLineParser(
+        prog="rfkit bench", description="Measure cache size and speed: original vs converted.",
+        error_class=BenchError, value_hints={"--max-input": " (a memory budget, like 512MiB or 2GB)"},
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="what", required=True, metavar="cache|speed")  # subcommands: the same errors
+    common = OneLineParser(add_help=False, error_class=BenchError)
     common.add_argument("--model", required=True, help="converted model directory or recipe YAML")
     common.add_argument("--json", dest="json_out", help="also write the rows as JSON to this file")
     common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -476,18 +443,14 @@ def markdown(result: dict) -> str:
 def validate(args) -> None:
     """Every check that needs no model, so bad input exits before anything loads."""
     if args.what == "cache":
-        args.lengths_list = parse_lengths(args.lengths, "--lengths")
-        if args.prompt_len <= 0:
-            raise BenchError(f"--prompt-len: must be a positive integer, got {args.prompt_len}")
-        if args.chunk <= 0:
-            raise BenchError(f"--chunk: must be a positive integer, got {args.chunk}")
-        args.budget = None if args.max_input is None else parse_bytes(args.max_input)
+        args.lengths_list = parse_lengths(args.lengths, "--lengths", error=BenchError)
+        positive_int("--prompt-len", args.prompt_len, error=BenchError, message=POSITIVE_INTEGER)
+        positive_int("--chunk", args.chunk, error=BenchError, message=POSITIVE_INTEGER)
+        args.budget = None if args.max_input is None else parse_bytes(args.max_input, "--max-input", error=BenchError)
     else:
-        args.contexts_list = parse_lengths(args.contexts, "--contexts")
-        if args.runs < 1:
-            raise BenchError(f"--runs: must be a positive integer, got {args.runs}")
-        if args.decode_tokens < 2:
-            raise BenchError(f"--decode-tokens: must be at least 2, got {args.decode_tokens}")
+        args.contexts_list = parse_lengths(args.contexts, "--contexts", error=BenchError)
+        positive_int("--runs", args.runs, error=BenchError, message=POSITIVE_INTEGER)
+        positive_int("--decode-tokens", args.decode_tokens, 2, error=BenchError, message="{field}: must be at least {minimum}, got {value}")
     from rfkit.config.catalog import resolve_model_spec
 
     args.torch_device = torch_device(args.device)

@@ -45,6 +45,8 @@ boundaries; long documents show what a state that outlives the window is worth.
 Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` (perplexity ratio against cache bytes per
 token, one line per policy x operator, one point per beta; one panel per evaluation set) into
 the output directory.
+
+One module: its parts (checks, the per-row convert-and-measure loop, table and plot) share one rows format.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ import logging
 import time
 from pathlib import Path
 
-
+from rfkit.config.args import OneLineParser, parse_betas, parse_lengths
+from rfkit.config.loading import check_model_spec, parse_recipe, torch_device
 from rfkit.errors import RFKitError
-from rfkit.config.loading import OneLineParser, check_model_spec, parse_recipe, torch_device
+from rfkit.validate import POSITIVE_INTEGER, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +72,10 @@ class SweepError(RFKitError):
     """Bad sweep input; one line for the user."""
 
 
-class _Parser(OneLineParser):
-    error_class = SweepError
-
-
-def build_parser() -> _Parser:
-    parser = _Parser(prog="rfkit sweep", description="Profile once, then convert and measure quality and cache per beta.")
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="rfkit sweep", description="Profile once, then convert and measure quality and cache per beta.", error_class=SweepError
+    )
     parser.add_argument("--config", required=True, help="recipe YAML (its policy must take a beta)")
     parser.add_argument("--betas", default=DEFAULT_BETAS, help="comma-separated fractions in [0, 1]")
     parser.add_argument("--output", default=None, help="output directory (default runs/sweep_<recipe>)")
@@ -92,24 +93,6 @@ def build_parser() -> _Parser:
     return parser
 
 
-def parse_betas(text: str) -> list[float]:
-    """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]`` (sorted, duplicates dropped); else a SweepError."""
-    values = []
-    for part in (p.strip() for p in str(text).split(",")):
-        if not part:
-            continue
-        try:
-            value = float(part)
-        except ValueError:
-            raise SweepError(f"--betas: '{part}' is not a number; give fractions in [0, 1] like 0,0.5,1") from None
-        if not 0.0 <= value <= 1.0:
-            raise SweepError(f"--betas: {value} is outside [0, 1]; beta is the fraction of heads replaced")
-        values.append(value)
-    if not values:
-        raise SweepError("--betas: give at least one fraction in [0, 1], like 0,0.5,1")
-    return sorted(set(values))
-
-
 def check_overrides(extra: list[str]) -> list[str]:
     """Arguments the sweep does not know go to the recipe, like ``rfkit fit`` overrides
     (``--data.val_blocks 8``); anything else is an error."""
@@ -123,15 +106,14 @@ def check_overrides(extra: list[str]) -> list[str]:
 
 def validate(args) -> None:
     """Every check that needs no model weights."""
-    args.beta_list = parse_betas(args.betas)
+    args.beta_list = parse_betas(args.betas, "--betas", error=SweepError)
     from rfkit.config.catalog import resolve_config
 
     args.config = resolve_config(args.config)  # a file, or a catalogue name such as smollm2_b05
     if check_model_spec(args.config, require_converted=False, flag="--config") != "recipe":
         raise SweepError(f"--config: '{args.config}' is a directory; give a recipe YAML")
     for flag, value in (("--val-blocks", args.val_blocks), ("--cache-length", args.cache_length), ("--long-blocks", args.long_blocks)):
-        if value is not None and value < 1:
-            raise SweepError(f"{flag}: must be a positive integer, got {value}")
+        positive_int(flag, value, optional=True, error=SweepError, message=POSITIVE_INTEGER)
     args.trained_dirs = [Path(p) for p in (args.trained or "").split(",") if p.strip()]
     for path in args.trained_dirs:
         if not (path / "head_map.json").is_file() or not (path / "config.json").is_file():
@@ -146,9 +128,7 @@ def validate(args) -> None:
             TextDataModule(source=args.long)  # checks the source's name, no data read
         except SourceError as err:
             raise SweepError(f"--long: {str(err).removeprefix('data.source: ')}") from None
-        from rfkit.experiments.bench import parse_lengths
-
-        args.long_length_list = parse_lengths(args.long_lengths, "--long-lengths")
+        args.long_length_list = parse_lengths(args.long_lengths, "--long-lengths", error=SweepError)
         if min(args.long_length_list) < 2:  # a 1-token block has no next token to score
             raise SweepError(f"--long-lengths: blocks need at least 2 tokens, got {min(args.long_length_list)}")
     args.torch_device = torch_device(args.device)

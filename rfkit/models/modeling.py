@@ -35,7 +35,15 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
@@ -322,9 +330,6 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
 
 
 # -- HF classes for converted models ----------------------------------------------------------
-_FAMILIES = {}
-
-
 # The name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
 # ``past_key_values`` before. Our overrides accept both (generate() validates user kwargs
 # against their signatures) and hand the cache on under the installed name.
@@ -337,121 +342,140 @@ def _pass_cache(kwargs: dict, cache, past_key_values) -> None:
         kwargs[_CACHE_ARG] = given
 
 
-def _family_classes(base_config_cls, base_model_cls, family: str):
-    class RFConfig(base_config_cls):
-        model_type = f"rf_{family}"
-
-        def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type=family, **kwargs):
-            super().__init__(**kwargs)
-            self.rf_selected = rf_selected or []
-            self.rf_operator = rf_operator or {}
-            self.rf_base_model_type = rf_base_model_type
-
-    class RFForCausalLM(base_model_cls):
-        config_class = RFConfig
-
-        def __init__(self, config):
-            super().__init__(config)
-            if config.rf_selected:
-                convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
-
-        # The explicit signature matters: generate() inspects forward's parameters (it only builds
-        # position_ids for left-padded batches when ``position_ids`` is one of them).
-        def forward(
-            self,
-            input_ids=None,
-            attention_mask=None,
-            position_ids=None,
-            past_key_values=None,
-            inputs_embeds=None,
-            labels=None,
-            cache=None,
-            use_cache=None,
-            logits_to_keep=0,
-            **kwargs,
-        ):
-            """The base model's forward, plus: the current chunk's 2-D token mask reaches the mixers
-            (as ``TOKEN_MASK_KWARG``) when the chunk contains padding."""
-            full_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
-            if full_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-                full_mask = attention_mask
-            tokens = input_ids if input_ids is not None else inputs_embeds
-            chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
-            if chunk_mask is not None:
-                kwargs[TOKEN_MASK_KWARG] = chunk_mask
-            _pass_cache(kwargs, cache, past_key_values)
-            return super().forward(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-
-        def prepare_inputs_for_generation(
-            self,
-            input_ids,
-            next_sequence_length=None,
-            past_key_values=None,
-            attention_mask=None,
-            inputs_embeds=None,
-            is_first_iteration=False,
-            cache=None,
-            **kwargs,
-        ):
-            """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
-            does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
-            ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
-            _pass_cache(kwargs, cache, past_key_values)
-            inputs = super().prepare_inputs_for_generation(
-                input_ids,
-                next_sequence_length=next_sequence_length,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                is_first_iteration=is_first_iteration,
-                **kwargs,
-            )
-            given = inputs.get("attention_mask")
-            if (
-                isinstance(attention_mask, torch.Tensor)
-                and attention_mask.dim() == 2
-                and not (isinstance(given, torch.Tensor) and given.dim() == 2)
-            ):
-                inputs[TOKEN_MASK_KWARG] = attention_mask
-            return inputs
-
-    RFConfig.__name__ = RFConfig.__qualname__ = f"RecurFormer{base_config_cls.__name__}"
-    RFForCausalLM.__name__ = RFForCausalLM.__qualname__ = f"RecurFormer{base_model_cls.__name__}"
-    return RFConfig, RFForCausalLM
+def _init_rf_fields(config, rf_selected, rf_operator, rf_base_model_type) -> None:
+    """The fields every ``rf_*`` config adds to its family's config."""
+    config.rf_selected = rf_selected or []
+    config.rf_operator = rf_operator or {}
+    config.rf_base_model_type = rf_base_model_type
 
 
-def _register_families() -> None:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+# Each config class defines its own ``__init__``: transformers turns config classes into
+# dataclasses and would generate one (dropping the ``rf_*`` arguments) for a class without.
+class RecurFormerLlamaConfig(LlamaConfig):
+    model_type = "rf_llama"
 
-    for family, cfg_cls, model_cls in (
-        ("llama", LlamaConfig, LlamaForCausalLM),
-        ("mistral", MistralConfig, MistralForCausalLM),
-        ("qwen2", Qwen2Config, Qwen2ForCausalLM),
+    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="llama", **kwargs):
+        super().__init__(**kwargs)
+        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
+
+
+class RecurFormerMistralConfig(MistralConfig):
+    model_type = "rf_mistral"
+
+    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="mistral", **kwargs):
+        super().__init__(**kwargs)
+        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
+
+
+class RecurFormerQwen2Config(Qwen2Config):
+    model_type = "rf_qwen2"
+
+    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="qwen2", **kwargs):
+        super().__init__(**kwargs)
+        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
+
+
+class _RecurFormerCausalLM:
+    """What every ``RecurFormer*ForCausalLM`` adds to its family's ``*ForCausalLM`` (listed
+    before it in the bases): conversion at construction from ``config.rf_selected`` /
+    ``config.rf_operator``, and the token mask handed down to the mixers."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.rf_selected:
+            convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
+
+    # The explicit signature matters: generate() inspects forward's parameters (it only builds
+    # position_ids for left-padded batches when ``position_ids`` is one of them).
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        cache=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
     ):
-        rf_cfg, rf_model = _family_classes(cfg_cls, model_cls, family)
-        globals()[rf_cfg.__name__], globals()[rf_model.__name__] = rf_cfg, rf_model
-        rf_cfg.__module__ = rf_model.__module__ = __name__
-        AutoConfig.register(rf_cfg.model_type, rf_cfg, exist_ok=True)
-        AutoModelForCausalLM.register(rf_cfg, rf_model, exist_ok=True)
-        _FAMILIES[family] = (rf_cfg, rf_model)
+        """The base model's forward, plus: the current chunk's 2-D token mask reaches the mixers
+        (as ``TOKEN_MASK_KWARG``) when the chunk contains padding."""
+        full_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
+        if full_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            full_mask = attention_mask
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
+        if chunk_mask is not None:
+            kwargs[TOKEN_MASK_KWARG] = chunk_mask
+        _pass_cache(kwargs, cache, past_key_values)
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        next_sequence_length=None,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        is_first_iteration=False,
+        cache=None,
+        **kwargs,
+    ):
+        """As the base, but when generate turns the 2-D ``attention_mask`` into a 4-D one (it
+        does for compileable caches such as ``StaticCache``), the 2-D mask is passed along as
+        ``TOKEN_MASK_KWARG`` so the mixers still see the padding."""
+        _pass_cache(kwargs, cache, past_key_values)
+        inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        given = inputs.get("attention_mask")
+        if (
+            isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 2
+            and not (isinstance(given, torch.Tensor) and given.dim() == 2)
+        ):
+            inputs[TOKEN_MASK_KWARG] = attention_mask
+        return inputs
 
 
-_register_families()
+class RecurFormerLlamaForCausalLM(_RecurFormerCausalLM, LlamaForCausalLM):
+    config_class = RecurFormerLlamaConfig
+
+
+class RecurFormerMistralForCausalLM(_RecurFormerCausalLM, MistralForCausalLM):
+    config_class = RecurFormerMistralConfig
+
+
+class RecurFormerQwen2ForCausalLM(_RecurFormerCausalLM, Qwen2ForCausalLM):
+    config_class = RecurFormerQwen2Config
+
+
+# base model_type -> (rf config class, rf model class)
+_FAMILIES = {
+    "llama": (RecurFormerLlamaConfig, RecurFormerLlamaForCausalLM),
+    "mistral": (RecurFormerMistralConfig, RecurFormerMistralForCausalLM),
+    "qwen2": (RecurFormerQwen2Config, RecurFormerQwen2ForCausalLM),
+}
+for _rf_config, _rf_model in _FAMILIES.values():
+    AutoConfig.register(_rf_config.model_type, _rf_config, exist_ok=True)
+    AutoModelForCausalLM.register(_rf_config, _rf_model, exist_ok=True)
+del _rf_config, _rf_model
 
 
 def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperator):

@@ -12,7 +12,7 @@ token (their dispatch overhead, not their arithmetic, was the cost).
   keyed by the source, the flags and the machine, and renamed into place, so concurrent
   builds never see a half-written library.
 * No compiler, a failed build or ``RFKIT_CPU_KERNEL=0`` only switches it off: the block then
-  uses the pure-PyTorch scan (:func:`rfkit.models.mamba.selective_scan_prefix`), and says so once.
+  uses the pure-PyTorch scan (:func:`rfkit.ops.scan.selective_scan_prefix`), and says so once.
 * Inference only (float32, no autograd); the block uses it when no gradient is needed.
 * ctypes releases the GIL, so channels are split over ``torch.get_num_threads()`` threads.
 """
@@ -132,7 +132,7 @@ def _ptr(t: torch.Tensor | None):
 def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     """Inference selective scan on CPU float32 tensors; returns (y (B, D, L), last state (B, D, N)).
 
-    Shapes as in :func:`rfkit.models.mamba.selective_scan_ref`, with ``delta`` already biased and
+    Shapes as in :func:`rfkit.ops.scan.selective_scan_ref`, with ``delta`` already biased and
     passed through softplus. Raises RuntimeError when the kernel is not available.
     """
     lib = _load()

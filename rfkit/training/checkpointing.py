@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from rfkit.atomic import atomic_write
 from rfkit.errors import RFKitError
+from rfkit.validate import positive_int
 
 META_KEY = "rfkit"
 META_FORMAT = 1
@@ -60,14 +61,8 @@ class RunCheckpoint(ModelCheckpoint):
         save_top_k: int = 0,
         save_last: bool = True,
     ):
-        if every_n_train_steps is not None and (
-            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
-        ):
-            raise CheckpointError(
-                f"checkpoint.every_n_train_steps: must be an integer >= 1 or null, got {every_n_train_steps!r}"
-            )
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise CheckpointError(f"checkpoint.save_top_k: must be an integer >= -1, got {save_top_k!r}")
+        positive_int("checkpoint.every_n_train_steps", every_n_train_steps, optional=True, error=CheckpointError)
+        positive_int("checkpoint.save_top_k", save_top_k, -1, error=CheckpointError)
         super().__init__(
             dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_top_k=save_top_k, save_last=save_last
         )

@@ -14,13 +14,13 @@ shares every module the student did not replace.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rfkit.errors import RFKitError
+from rfkit.validate import in_range
 
 
 class DistillError(RFKitError):
@@ -48,14 +48,10 @@ class DistillConfig:
 
     def __post_init__(self):
         for name in ("ce", "kl", "hidden"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise DistillError(f"model.distill.{name}: {value!r} is not allowed; must be a number >= 0")
+            in_range(f"model.distill.{name}", getattr(self, name), 0, finite=True, error=DistillError)
         if self.ce == 0 and self.kl == 0 and self.hidden == 0:
             raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise DistillError(f"model.distill.temperature: {t!r} is not allowed; must be a number > 0")
+        in_range("model.distill.temperature", self.temperature, 0, low_open=True, finite=True, error=DistillError)
 
     @property
     def needs_teacher(self) -> bool:
@@ -92,7 +88,7 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     Without ``config`` this is plain next-token cross-entropy (the paper's). ``teacher`` (a
     :class:`rfkit.training.teacher.SharedTeacher`) is needed when ``config`` has a KL or hidden term.
     """
-    from rfkit.training.module import summed_nll
+    from rfkit.training.losses import summed_nll
 
     ids = batch["input_ids"]
     mask, labels = batch.get("attention_mask"), batch.get("labels")

@@ -8,12 +8,12 @@ adapters: they are trained directly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from rfkit.errors import RFKitError
+from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, in_range, positive_int
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -39,12 +39,9 @@ class LoraSettings:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
     def __post_init__(self):
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise LoraError(f"model.lora.r: {self.r!r} is not allowed; must be an integer >= 1")
-        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise LoraError(f"model.lora.alpha: {self.alpha!r} is not allowed; must be a number > 0")
-        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise LoraError(f"model.lora.dropout: {self.dropout!r} is not allowed; must be in [0, 1)")
+        positive_int("model.lora.r", self.r, error=LoraError, message=INTEGER_NOT_ALLOWED)
+        in_range("model.lora.alpha", self.alpha, 0, low_open=True, finite=True, error=LoraError)
+        fraction("model.lora.dropout", self.dropout, high_open=True, error=LoraError, message="{field}: {value!r} is not allowed; must be {bounds}")
         if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
             raise LoraError(f"model.lora.target_modules: {self.target_modules!r} is not allowed; a non-empty list of module names")
 

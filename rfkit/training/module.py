@@ -7,10 +7,9 @@ in :meth:`configure_model`, so that the datamodule (calibration data) and the ca
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,10 +17,22 @@ from typing import Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from jsonargparse import lazy_instance
 
 from rfkit.training.distill import DistillConfig, training_loss
+from rfkit.training.freeze import (
+    FREEZE_PRESETS,
+    FreezeStage,
+    apply_freeze,
+    check_schedule,
+    init_from_attention,
+    no_weights_message,
+    stage_at,
+    trainable_names,
+    trains,
+    trains_shared,
+)
+from rfkit.training.losses import summed_nll
 from rfkit.training.lora import LoraSettings
 from rfkit.training.transfer import TransferConfig
 from rfkit.conversion.convert import (
@@ -32,43 +43,19 @@ from rfkit.conversion.convert import (
     parameter_delta,
 )
 from rfkit.conversion.headmap import HeadMap
-from rfkit.hub import SourceError, is_embedded, looks_like_path
-from rfkit.models.layout import AttentionLayout, LayoutError
+from rfkit.hub import SourceError
+from rfkit.models.layout import AttentionLayout
+from rfkit.models.source import check_model_source
 from rfkit.conversion.operators import MambaOperator, ReplacementOperator
 from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
 
 log = logging.getLogger(__name__)
 
-FREEZE_PRESETS = ("pretrained", "mixers", "lora", "none", "all")
 INIT_CHOICES = ("random", "from_attention")
 SHARED_TEACHER_FROZEN = (
     "model.distill.share_modules: the teacher shares the pretrained weights that model.freeze trains; "
     "freeze them (freeze: pretrained, mixers or lora) or set share_modules: false"
 )
-
-
-@dataclass
-class FreezeStage:
-    """One stage of a freeze schedule: ``freeze`` (as ``model.freeze``) for ``steps`` optimiser
-    steps; ``steps: null`` (only on the last stage) lasts to the end of training."""
-
-    freeze: str | list[str] = "pretrained"
-    steps: int | None = None
-
-
-def summed_nll(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL in float32 (log-softmax via cross_entropy) and the token count.
-
-    ``labels`` (same shape as ``input_ids``, -100 where no loss is wanted, as in transformers)
-    restricts the loss, for example to the completion of a prompt; by default every next
-    token counts.
-    """
-    shift_logits = logits[:, :-1].float()
-    targets = (input_ids if labels is None else labels)[:, 1:]
-    nll = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), targets.reshape(-1), reduction="sum", ignore_index=-100
-    )
-    return nll, int((targets != -100).sum()) if labels is not None else targets.numel()
 
 
 class RecurFormerModule(L.LightningModule):
@@ -472,151 +459,3 @@ def _difference(theirs: dict, ours: dict) -> str:
     return "; ".join(f"{k}: checkpoint {a.get(k)!r}, recipe {b.get(k)!r}" for k in keys)
 
 
-def no_weights_message(operator, freeze) -> str:
-    return (
-        f"model.freeze: {type(operator).__name__} has no weights to train, so freeze {freeze!r} leaves nothing; "
-        "use rfkit convert (training-free), or freeze: none (or lora with a lora section) to fine-tune"
-    )
-
-
-def _is_new(name: str) -> bool:
-    return ".mixer." in name
-
-
-def _is_lora(name: str) -> bool:
-    return ".lora_" in name
-
-
-_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def trains(name: str, freeze: str | list[str]) -> bool:
-    """Whether parameter ``name`` trains under the ``freeze`` setting (see :class:`RecurFormerModule`).
-    FSDP and activation-checkpointing wrapper names are ignored, so patterns match either way."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    if freeze == "none":
-        return True
-    if freeze == "all":
-        return False
-    if freeze == "pretrained":
-        return _is_new(name) or _is_lora(name)
-    if freeze == "mixers":
-        return _is_new(name)
-    if freeze == "lora":
-        return _is_lora(name)
-    return not any(fnmatch.fnmatch(name, pattern) for pattern in freeze)
-
-
-def trainable_names(model, freeze: str | list[str]) -> set[str]:
-    return {name for name, _ in model.named_parameters() if trains(name, freeze)}
-
-
-def trains_shared(model, freeze: str | list[str]) -> bool:
-    """Whether ``freeze`` trains a pretrained weight that the shared teacher also uses."""
-    return any(not (_is_new(n) or _is_lora(n)) for n in trainable_names(model, freeze))
-
-
-def apply_freeze(model, freeze: str | list[str]) -> None:
-    """Set ``requires_grad`` per the ``freeze`` setting (see :class:`RecurFormerModule`)."""
-    for name, param in model.named_parameters():
-        param.requires_grad_(trains(name, freeze))
-
-
-def check_schedule(schedule: list[FreezeStage] | None) -> list[FreezeStage] | None:
-    """Validate a freeze schedule: presets or pattern lists, positive steps, open end last only."""
-    if not schedule:
-        return None
-    for i, stage in enumerate(schedule):
-        if isinstance(stage, dict):
-            stage = schedule[i] = FreezeStage(**stage)
-        if isinstance(stage.freeze, str) and stage.freeze not in FREEZE_PRESETS:
-            raise PolicyError(
-                f"model.freeze_schedule[{i}].freeze: {stage.freeze!r} is not allowed; "
-                f"allowed: {', '.join(FREEZE_PRESETS)} or a list of name patterns"
-            )
-        last = i == len(schedule) - 1
-        if stage.steps is None and not last:
-            raise PolicyError(f"model.freeze_schedule[{i}].steps: only the last stage may leave steps empty")
-        if stage.steps is not None and (isinstance(stage.steps, bool) or not isinstance(stage.steps, int) or stage.steps < 1):
-            raise PolicyError(f"model.freeze_schedule[{i}].steps: {stage.steps!r} is not allowed; must be an integer >= 1")
-    return list(schedule)
-
-
-def stage_at(schedule: list[FreezeStage], step: int) -> int:
-    """Index of the stage that covers optimiser step ``step`` (the last stage past the end)."""
-    end = 0
-    for i, stage in enumerate(schedule):
-        if stage.steps is None:
-            return i
-        end += stage.steps
-        if step < end:
-            return i
-    return len(schedule) - 1
-
-
-def init_from_attention(model, operator: ReplacementOperator) -> None:
-    """``init: from_attention``: every new block starts from the attention module it replaced."""
-    layers = model.get_decoder().layers
-    for i, original in model.rf_originals.items():
-        layer = layers[i].self_attn
-        operator.init_from_attention(layer.mixer, original, layer)
-
-
-def check_model_source(name: str, trust_remote_code: bool = False) -> None:
-    """Cheap checks before anything loads (config files only, never weights):
-
-    * a local directory exists, holds a readable ``config.json`` of a supported attention
-      layout, and safetensors weights (all shards of an index), none of them truncated;
-    * a hub id is well formed; offline (``HF_HUB_OFFLINE=1``) it must be complete in the
-      Hugging Face cache (not missing, not a half-finished download); a cached config is
-      checked for its layout as a local one is;
-    * the embedded name is the one rfkit ships.
-    """
-    from rfkit.hub import EMBEDDED_MODEL, check_hub_model, check_weight_files, missing_weights
-
-    if is_embedded(name):
-        if name != EMBEDDED_MODEL:
-            raise SourceError(f"model.base_model: unknown embedded model '{name}'; allowed: {EMBEDDED_MODEL}")
-        return
-    if looks_like_path(name):
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise SourceError(f"model.base_model: path '{name}' does not exist")
-        if not path.is_dir():
-            raise SourceError(f"model.base_model: '{name}' is a file; give a HF model directory (with config.json)")
-        if not (path / "config.json").exists():
-            raise SourceError(f"model.base_model: '{name}' has no config.json (not a HF model directory)")
-        _check_config_dir(path, name, trust_remote_code)
-        missing = missing_weights(path)
-        if missing:
-            raise SourceError(
-                f"model.base_model: '{name}' has no weights ({', '.join(missing)} missing); "
-                "rfkit loads safetensors (save the model with save_pretrained)"
-            )
-        check_weight_files(path, name)
-        return
-    snapshot = check_hub_model(name)
-    if snapshot is not None:
-        _check_config_dir(snapshot, name, trust_remote_code)
-        check_weight_files(snapshot, name)
-
-
-def _check_config_dir(path: Path, name: str, trust_remote_code: bool) -> None:
-    """``path/config.json`` is JSON that transformers reads, of an attention layout rfkit knows."""
-    from transformers import AutoConfig
-
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise SourceError(f"model.base_model: cannot read {path / 'config.json'}: {' '.join(str(err).split())}") from None
-    if not isinstance(raw, dict):
-        raise SourceError(f"model.base_model: {path / 'config.json'} holds a {type(raw).__name__}, not a config object")
-    model_type = raw.get("model_type")
-    try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError, TypeError) as err:
-        raise LayoutError(
-            f"model.base_model: cannot read the config of '{name}' (model_type {model_type!r}): {' '.join(str(err).split())}"
-        ) from None
-    AttentionLayout.from_config(config)

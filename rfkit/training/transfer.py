@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rfkit.errors import RFKitError
+from rfkit.validate import INTEGER_NOT_ALLOWED, in_range, one_of, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +70,15 @@ class TransferConfig:
     time_limit: float | None = None
 
     def __post_init__(self):
+        ints = dict(error=TransferError, message=INTEGER_NOT_ALLOWED)
         for name in ("steps", "samples", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
-                low = 0 if name == "steps" else 1
-                raise TransferError(f"model.transfer.{name}: {value!r} is not allowed; must be an integer >= {low}")
-        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2):
-            raise TransferError(f"model.transfer.seq_len: {self.seq_len!r} is not allowed; must be an integer >= 2 or null")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise TransferError(f"model.transfer.lr: {self.lr!r} is not allowed; must be a number > 0")
-        if self.space not in ("heads", "output"):
-            raise TransferError(f"model.transfer.space: {self.space!r} is not allowed; allowed: heads, output")
-        if self.readout not in ("lstsq", "none"):
-            raise TransferError(f"model.transfer.readout: {self.readout!r} is not allowed; allowed: lstsq, none")
-        if self.time_limit is not None and not (isinstance(self.time_limit, (int, float)) and self.time_limit > 0):
-            raise TransferError(f"model.transfer.time_limit: {self.time_limit!r} is not allowed; must be a number > 0 or null")
-        if not (isinstance(self.ridge, (int, float)) and self.ridge >= 0):
-            raise TransferError(f"model.transfer.ridge: {self.ridge!r} is not allowed; must be a number >= 0")
+            positive_int(f"model.transfer.{name}", getattr(self, name), 0 if name == "steps" else 1, **ints)
+        positive_int("model.transfer.seq_len", self.seq_len, 2, optional=True, **ints)
+        in_range("model.transfer.lr", self.lr, 0, low_open=True, finite=True, error=TransferError)
+        one_of("model.transfer.space", self.space, ("heads", "output"), error=TransferError)
+        one_of("model.transfer.readout", self.readout, ("lstsq", "none"), error=TransferError)
+        in_range("model.transfer.time_limit", self.time_limit, 0, low_open=True, optional=True, error=TransferError)
+        in_range("model.transfer.ridge", self.ridge, 0, error=TransferError)
 
 
 # -- capture -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-import rfkit.data as data
+import rfkit.data.datamodule as data  # the module whose names TextDataModule looks up (patched below)
 from rfkit.data import (
     SPLITS,
     Document,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers import SMOLLM
 
-import rfkit.data as data
+import rfkit.data.sources as data
 from rfkit.data import (
     DEFAULT_SPLIT,
     EMBEDDED_SOURCES,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rfkit.callbacks.perplexity import evaluate_perplexity
 from rfkit.data import TextDataModule, load_documents, split_documents
 from rfkit.evals.ppl import sliding_window_nll
-from rfkit.training.module import summed_nll
+from rfkit.training.losses import summed_nll
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,9 @@ import torch
 from helpers import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rfkit.evals.hashhop import (
-    HashHopDataModule,
-    evaluate_hashhop,
-    format_completion,
-    generate_samples,
-    make_sample,
-    parse_chain,
-    score,
-)
+from rfkit.evals.hashhop import evaluate_hashhop, parse_chain, score
+from rfkit.evals.hashhop_finetune import HashHopDataModule
+from rfkit.evals.hashhop_samples import format_completion, generate_samples, make_sample
 from rfkit.hub import SourceError
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]

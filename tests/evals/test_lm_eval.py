@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-TASKS = ROOT / "tests" / "data" / "lm_eval"
+TASKS = ROOT / "tests" / "fixtures" / "lm_eval"
 TASK = "rfkit_tiny_mc"
 INSTALL = 'lm-eval is not installed; install the eval extra: pip install "rfkit[eval]"'
 

@@ -91,7 +91,7 @@ def test_max_input_search_brackets_the_budget(monkeypatch):
 
 
 def test_prefill_peak_on_cpu_covers_the_cache():
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model = tiny_model("llama")
     peak = bench.prefill_peak(model, 6000, seed=0, device=torch.device("cpu"))

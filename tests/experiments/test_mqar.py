@@ -6,19 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rfkit.experiments.mqar import (
+from rfkit.experiments.mqar_task import MQARError, make_mqar, mqar_accuracy, vocab_split
+from rfkit.experiments.mqar_training import (
     ModelSettings,
-    MQARError,
     SelectSettings,
     TrainSettings,
     build_model,
     convert_for_beta,
     head_map_for,
     lr_at,
-    make_mqar,
-    mqar_accuracy,
     profile_model,
-    vocab_split,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import rfkit.models.mamba as rm
-from rfkit.models.mamba import MambaBlock, selective_scan_chunked, selective_scan_ref
+import rfkit.ops.scan as rs
+from rfkit.models.mamba import MambaBlock
+from rfkit.ops.scan import selective_scan_chunked, selective_scan_ref
 
 F64 = {"atol": 1e-10, "rtol": 1e-10}
 F32 = {"atol": 1e-5, "rtol": 1e-5}
@@ -527,7 +529,7 @@ def test_prefix_matches_reference_outputs_and_grads(dtype, with_init):
         y_ref, h_ref, g_ref = _outputs_and_grads(selective_scan_ref, tensors, softplus=True, with_init=with_init)
         for chunk in (None, 1, 4, 64):
             y, h, g = _outputs_and_grads(
-                rm.selective_scan_prefix, tensors, softplus=True, with_init=with_init, chunk_size=chunk
+                rs.selective_scan_prefix, tensors, softplus=True, with_init=with_init, chunk_size=chunk
             )
             ctx = f"L={length} chunk={chunk} {dtype} init={with_init}"
             assert y.dtype == dtype
@@ -539,9 +541,9 @@ def test_prefix_matches_reference_outputs_and_grads(dtype, with_init):
 
 def test_prefix_chunk_length_shrinks_to_keep_exp_finite():
     delta = torch.full((1, 2, 256), 0.01)
-    assert rm._prefix_chunk_size(delta, 16.0, 60.0, 256) == 64  # 64 * 0.01 * 16 = 10.2
-    assert rm._prefix_chunk_size(delta * 20, 16.0, 60.0, 256) == 16  # 16 * 0.2 * 16 = 51.2
-    assert rm._prefix_chunk_size(delta * 500, 16.0, 60.0, 256) is None  # one token: 80 > 60
+    assert rs._prefix_chunk_size(delta, 16.0, 60.0, 256) == 64  # 64 * 0.01 * 16 = 10.2
+    assert rs._prefix_chunk_size(delta * 20, 16.0, 60.0, 256) == 16  # 16 * 0.2 * 16 = 51.2
+    assert rs._prefix_chunk_size(delta * 500, 16.0, 60.0, 256) is None  # one token: 80 > 60
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -551,10 +553,10 @@ def test_prefix_large_delta_times_A_falls_back_and_stays_exact(dtype, monkeypatc
     delta_max = 5.0 if dtype == torch.float32 else 50.0
     tensors = _scan_inputs(2, 4, 6, 50, dtype, delta_max=delta_max, a_min=-16.0, seed=7)
     calls = []
-    real = rm.selective_scan_chunked
-    monkeypatch.setattr(rm, "selective_scan_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rs.selective_scan_chunked
+    monkeypatch.setattr(rs, "selective_scan_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
     y_ref, h_ref = _run_scan(selective_scan_ref, tensors, softplus=False, with_init=True)
-    y, h = _run_scan(rm.selective_scan_prefix, tensors, softplus=False, with_init=True)
+    y, h = _run_scan(rs.selective_scan_prefix, tensors, softplus=False, with_init=True)
     assert calls, "the exact fallback did not run"
     assert torch.isfinite(y).all() and torch.isfinite(h).all()
     torch.testing.assert_close(y, y_ref, **_tol(dtype))

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from helpers import random_ids, tiny_model
+from helpers import packed, random_ids, tiny_model
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.modeling import to_recurformer
 from rfkit.conversion.operators import MambaOperator, OperatorError, ReplacementOperator, SinkRecentOperator, SlidingWindowOperator
@@ -169,7 +169,7 @@ def test_bad_window_settings_name_the_field(make, field):
 def test_recipes_name_window_operators_and_comparison_policies(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from test_cli import run_cli, tiny_args
+    from helpers import run_cli, tiny_args
 
     args = [
         *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),

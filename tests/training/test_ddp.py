@@ -66,7 +66,7 @@ def _profile_worker(rank: int, world: int, port: int, out: str, caches: list[str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from conftest import tiny_model
+        from helpers import tiny_model
 
         import rfkit.conversion.convert
         from rfkit.conversion.policies import RecencyRatioPolicy
@@ -125,7 +125,7 @@ def run_ranks(fn, world: int, *args) -> None:
 
 
 def test_profile_heads_in_two_processes_equals_one_process(tmp_path):
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     from rfkit.conversion.policies import RecencyRatioPolicy
 
@@ -179,7 +179,7 @@ def run_fit(args: list[str], cache: Path, cwd: Path, timeout: float = 240) -> su
 def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str) -> dict:
     """One ``rfkit fit`` of the tiny recipe (``tiny_args`` of test_cli) under ``root``; the run's
     summary, head map and output, after checking that exactly one summary was written."""
-    from test_cli import tiny_args
+    from helpers import tiny_args
 
     run_root = root / name
     args = [*tiny_args(tiny_model_dir, tiny_corpus, run_root), "--model.reuse_profile", "false", *extra]
@@ -338,7 +338,7 @@ def test_the_shared_teacher_swaps_attention_inside_layer_wrappers():
     """FSDP and activation checkpointing wrap each decoder layer; an assignment to the wrapper's
     ``self_attn`` would leave the student's attention in place, and the teacher would compute the
     student. The swap goes to the wrapped layer."""
-    from conftest import random_ids, tiny_model
+    from helpers import random_ids, tiny_model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from rfkit.conversion.convert import convert

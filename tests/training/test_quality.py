@@ -15,7 +15,7 @@ from helpers import MAMBA, run_cli, tiny_args
 from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
 from rfkit.training.lora import LoraSettings, apply_lora, lora_layers, merge_lora
 from rfkit.models.modeling import to_recurformer
-from rfkit.training.module import FreezeStage, check_schedule, stage_at, trainable_names
+from rfkit.training.freeze import FreezeStage, check_schedule, stage_at, trainable_names
 from rfkit.conversion.operators import MambaOperator
 from rfkit.conversion.policies import PolicyError
 from rfkit.training.teacher import SharedTeacher
@@ -113,7 +113,7 @@ def test_transfer_settings_are_checked(field, value, message):
 
 # -- init from attention --------------------------------------------------------------------
 def test_from_attention_passes_values_and_scores_through():
-    from rfkit.training.module import init_from_attention
+    from rfkit.training.freeze import init_from_attention
 
     _, model = converted()
     init_from_attention(model, MambaOperator())
@@ -136,7 +136,7 @@ def test_from_attention_passes_values_and_scores_through():
 
 
 def test_from_attention_needs_expand_two():
-    from rfkit.training.module import init_from_attention
+    from rfkit.training.freeze import init_from_attention
     from rfkit.conversion.operators import OperatorError
 
     operator = MambaOperator(expand=1)

@@ -1,7 +1,7 @@
 /* Mamba (S6) on the CPU: the selective scan for prefill and the whole recurrent decode step.
  *
  * rfkit compiles this file on first use with the system C compiler (see rfkit/ops/cpu_kernels.py)
- * and calls it through ctypes; the pure-PyTorch scans in rfkit/models/mamba.py are its twins and the
+ * and calls it through ctypes; the pure-PyTorch scans in rfkit/ops/scan.py are its twins and the
  * tests compare the two. Inference only (no backward).
  *
  * Layouts, all float32 and contiguous:

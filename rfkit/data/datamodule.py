@@ -1,0 +1,480 @@
+"""The LightningDataModule: settings checks, tokenisation, the cache of packed blocks and the
+calibration, training and validation loaders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from rfkit.atomic import atomic_write
+from rfkit.data.documents import SPLITS, _one_line, pack_blocks, split_documents
+from rfkit.data.embedded import _EMBEDDED, EMBEDDED_SOURCES, _embedded, default_split
+from rfkit.data.sampling import ResumableShuffle, _Blocks
+from rfkit.data.sources import (
+    _HUB_ID,
+    LOCAL_SUFFIXES,
+    _local_files,
+    _read_local,
+    _source_signature,
+    load_documents,
+    source_kind,
+)
+from rfkit.hub import (
+    EMBEDDED_DATA,
+    EMBEDDED_MODEL,
+    SourceError,
+    cache_dir,
+    is_embedded,
+    looks_like_path,
+    resolve_model,
+)
+
+log = logging.getLogger(__name__)
+
+_CACHE_FORMAT = 1
+_TOKENIZE_CHUNK = 256  # documents per batched tokenizer call
+_NO_TOKENIZER = "data.tokenizer: not set; pass --data.tokenizer (or --model.base_model, which the CLI links to it)"
+
+
+def data_cache_dir() -> Path:
+    """Where packed token blocks are cached: ``cache_dir()/data``."""
+    return cache_dir() / "data"
+
+
+def _tokenizer_identity(name: str) -> str:
+    if not is_embedded(name) and looks_like_path(name):
+        return str(Path(name).expanduser().resolve())
+    return name
+
+
+def _load_tokenizer(name: str):
+    """``AutoTokenizer`` for a model id, local directory or embedded name."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(name)  # its SourceError names model.base_model, which the CLI links here
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SourceError(f"data.tokenizer: cannot load a tokenizer from '{name}': {_one_line(e)}") from None
+    if not getattr(tok, "is_fast", True):
+        log.warning("data.tokenizer: '%s' has no fast tokenizer; tokenising will be slow", name)
+    return tok
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packed token blocks for calibration (head profiling), training and validation."""
+
+    def __init__(
+        self,
+        source: str = EMBEDDED_DATA,
+        tokenizer: str | None = None,
+        seq_len: int = 512,
+        batch_size: int = 4,
+        calibration_samples: int = 64,
+        val_blocks: int = 64,
+        train_blocks: int | None = None,
+        split: tuple[float, float] | None = None,
+        text_field: str = "text",
+        hf_split: str = "train",
+        hf_max_documents: int | None = 50000,
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        """Text source, tokenisation and packing settings.
+
+        Args:
+            source: Where the text comes from: ``embedded:wikipedia-en`` (about 10,000 English
+                Wikipedia summaries, no download), ``embedded:shakespeare`` (39 long works of
+                23,000 to 55,000 tokens, no download), a local ``.txt`` (one document per
+                non-empty line), ``.jsonl`` (one object per line) or ``.json`` (list or dict)
+                file, a directory of such files, or a Hugging Face dataset id
+                ``org/name[:config]`` (needs ``pip install datasets``).
+            tokenizer: Tokenizer to use: a model id, local model directory or embedded model name.
+                The CLI links ``model.base_model`` here.
+            seq_len: Tokens per packed block; documents are joined with EOS and cut into blocks
+                of exactly this length.
+            batch_size: Blocks per batch for training, validation and calibration.
+            calibration_samples: Number of calibration blocks used for head profiling.
+            val_blocks: Number of validation blocks.
+            train_blocks: Cap on the number of training blocks (None: all of them).
+            split: Fractions of documents (chosen by a hash of their title or text) for
+                calibration and validation; the rest is used for training. None: the
+                source's default, [0.05, 0.05], or [0.10, 0.15] for ``embedded:shakespeare``
+                (:func:`default_split`).
+            text_field: Field holding the text in JSONL/JSON objects and hub dataset rows (not
+                used by the embedded data).
+            hf_split: Split of a hub dataset to read.
+            hf_max_documents: Read at most this many rows of a hub dataset (streamed); None
+                loads the whole split.
+            num_workers: DataLoader worker processes.
+            seed: Seed of the training shuffle (the split does not depend on it).
+        """
+        super().__init__()
+        self.source = str(source)
+        self.tokenizer_name = None if tokenizer is None else str(tokenizer)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.calibration_samples = calibration_samples
+        self.val_blocks = val_blocks
+        self.train_blocks = train_blocks
+        if split is None:
+            split = default_split(self.source)
+        self.split = tuple(split) if isinstance(split, (list, tuple)) else split
+        self.text_field = text_field
+        self.hf_split = hf_split
+        self.hf_max_documents = hf_max_documents
+        self.num_workers = num_workers
+        self.seed = seed
+
+        self.calibration: torch.Tensor | None = None
+        self.validation: torch.Tensor | None = None
+        self.train: torch.Tensor | None = None
+        self._tokenizer = None
+        self._all_blocks: dict[str, torch.Tensor] | None = None
+        self._documents: dict[str, int] = {}
+        self._resume: tuple[int, int] | None = None  # (epoch, batches) for the next training loader
+        self.check()
+        self.save_hyperparameters()
+
+    # ---------------------------------------------------------------- validation
+
+    def check(self) -> None:
+        """Validate the settings without loading any model, tokenizer or text.
+
+        Raises:
+            SourceError: one line naming the offending ``data.*`` field and what is allowed.
+        """
+        minimums = {"seq_len": 2, "batch_size": 1, "calibration_samples": 1, "val_blocks": 1, "num_workers": 0}
+        for field, minimum in minimums.items():
+            value = getattr(self, field)
+            if not _is_int(value) or value < minimum:
+                raise SourceError(f"data.{field}: must be an integer >= {minimum}, got {value!r}")
+        for field in ("train_blocks", "hf_max_documents"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise SourceError(f"data.{field}: must be an integer >= 1 or null, got {value!r}")
+        if not _is_int(self.seed):
+            raise SourceError(f"data.seed: must be an integer, got {self.seed!r}")
+
+        sp = self.split
+        if (
+            not isinstance(sp, tuple)
+            or len(sp) != 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in sp)
+        ):
+            raise SourceError(f"data.split: must be two fractions [calibration, validation], got {sp!r}")
+        self.split = (float(sp[0]), float(sp[1]))
+        if not all(0.0 < x < 1.0 for x in self.split) or sum(self.split) >= 1.0:
+            raise SourceError(
+                f"data.split: fractions must each be > 0 and sum to < 1 (the rest is train), got {list(sp)}"
+            )
+
+        for field in ("text_field", "hf_split"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value.strip():
+                raise SourceError(f"data.{field}: must be a non-empty string, got {value!r}")
+
+        tok = self.tokenizer_name
+        if tok is not None:
+            if not tok.strip():
+                raise SourceError("data.tokenizer (from model.base_model): must be a model id, a local directory or an embedded name, got ''")
+            if is_embedded(tok) and tok != EMBEDDED_MODEL:
+                raise SourceError(f"data.tokenizer (from model.base_model): unknown embedded model '{tok}'; allowed: {EMBEDDED_MODEL}")
+            if not is_embedded(tok) and looks_like_path(tok) and not Path(tok).expanduser().exists():
+                raise SourceError(f"data.tokenizer (from model.base_model): path '{tok}' does not exist")
+
+        self._check_source()
+
+    def _check_source(self) -> None:
+        source = self.source
+        allowed = (
+            f"{', '.join(EMBEDDED_SOURCES)}, a .txt/.jsonl/.json file, a directory of them, "
+            "or a hub dataset id org/name[:config]"
+        )
+        if not source.strip():
+            raise SourceError(f"data.source: empty; allowed: {allowed}")
+        kind = source_kind(source)
+        if kind == "embedded":
+            _embedded(source)  # a known name
+            return
+        if kind == "hub":
+            if not _HUB_ID.match(source):
+                raise SourceError(
+                    f"data.source: '{source}' is not an existing path or a hub dataset id; allowed: {allowed}"
+                )
+            return
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise SourceError(f"data.source: path '{source}' does not exist")
+        if path.is_dir():
+            if not _local_files(path):
+                raise SourceError(f"data.source: directory '{source}' has no .txt, .jsonl or .json files")
+        elif path.suffix.lower() not in LOCAL_SUFFIXES:
+            raise SourceError(
+                f"data.source: unsupported file type '{path.suffix or path.name}'; "
+                "allowed: .txt, .jsonl, .json or a directory of them"
+            )
+
+    #: ``.json`` files up to this size are parsed by :meth:`check_text` (they cannot be read lazily)
+    CHECK_TEXT_JSON_BYTES = 64 * 2**20
+
+    @staticmethod
+    def check_text(source: str, text_field: str = "text") -> None:
+        """The preflight on a local source's contents, before any model loads (the CLI runs it
+        on the recipe's ``data`` section): not every file empty (0 bytes), and at least one
+        usable document. It reads only up to the first document (``.json`` files of at most
+        :attr:`CHECK_TEXT_JSON_BYTES`), so a bad row after it is still found by
+        :meth:`setup`. The embedded data and hub datasets are not read here; neither is
+        anything that :meth:`check` already refuses.
+
+        Raises:
+            SourceError: one line naming ``data.source`` (or ``data.text_field``).
+        """
+        if not isinstance(source, str) or source_kind(source) != "local" or not isinstance(text_field, str):
+            return
+        root = Path(source).expanduser()
+        if not root.exists() or (root.is_file() and root.suffix.lower() not in LOCAL_SUFFIXES):
+            return
+        files = _local_files(root)
+        sized = [(p, p.stat().st_size) for p in files]
+        if sized and all(size == 0 for _, size in sized):
+            what = f"file '{source}' is" if root.is_file() else f"every file in directory '{source}' is"
+            raise SourceError(f"data.source: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
+        for path, size in sized:
+            if size == 0 or (path.suffix.lower() == ".json" and size > TextDataModule.CHECK_TEXT_JSON_BYTES):
+                if size:
+                    return  # too big to parse twice; setup() reads it
+                continue
+            if next(iter(_read_local(path, text_field)), None) is not None:
+                return
+        field = f" (the '{text_field}' field, data.text_field, is empty or null in every row)" if any(
+            p.suffix.lower() in (".jsonl", ".json") for p in files
+        ) else " (every line is blank)"
+        raise SourceError(f"data.source: '{source}' contains no documents{field}; give text to tokenise")
+
+    # ---------------------------------------------------------------- identity
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "source": _source_signature(self.source),
+            "tokenizer": _tokenizer_identity(self.tokenizer_name) if self.tokenizer_name else None,
+            "seq_len": self.seq_len,
+            "split": list(self.split),
+            "text_field": self.text_field,
+            "hf_split": self.hf_split,
+            "hf_max_documents": self.hf_max_documents,
+        }
+
+    def cache_path(self) -> Path:
+        """The cache file of this module's packed blocks (all splits, before the block caps)."""
+        blob = json.dumps({"format": _CACHE_FORMAT, **self._settings()}, sort_keys=True)
+        return data_cache_dir() / f"{hashlib.sha1(blob.encode('utf-8')).hexdigest()}.pt"
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the data settings that decide the calibration blocks.
+
+        Covers source (with local file sizes and mtimes), tokenizer, seq_len, split,
+        calibration_samples, text_field, hf_split and hf_max_documents.
+        """
+        blob = json.dumps({**self._settings(), "calibration_samples": self.calibration_samples}, sort_keys=True)
+        return hashlib.sha1(blob.encode("utf-8")).hexdigest()[:16]
+
+    # ---------------------------------------------------------------- tokenizer
+
+    @property
+    def tokenizer(self):
+        """The tokenizer, loaded on first access (a cached setup does not need it)."""
+        if self._tokenizer is None:
+            if self.tokenizer_name is None:
+                raise SourceError(_NO_TOKENIZER)
+            self._tokenizer = _load_tokenizer(self.tokenizer_name)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    # ---------------------------------------------------------------- building blocks
+
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        from tqdm.auto import tqdm
+
+        tok = self.tokenizer
+        out: list[list[int]] = []
+        n_chars = sum(map(len, texts))
+        log.info("tokenising %d documents (%.1fM characters) from %s", len(texts), n_chars / 1e6, self.source)
+        with tqdm(total=len(texts), desc="tokenising", unit="doc", leave=False) as bar:
+            for start in range(0, len(texts), _TOKENIZE_CHUNK):
+                chunk = texts[start : start + _TOKENIZE_CHUNK]
+                enc = tok(chunk, add_special_tokens=False, return_attention_mask=False, verbose=False)
+                out.extend(enc["input_ids"])
+                bar.update(len(chunk))
+        return out
+
+    def _build(self) -> dict[str, Any]:
+        if self.tokenizer_name is None:
+            raise SourceError(_NO_TOKENIZER)
+        docs = load_documents(self.source, self.text_field, self.hf_split, self.hf_max_documents)
+        by_split = split_documents(docs, self.split)
+        order = [d for name in SPLITS for d in by_split[name]]
+        ids = self._tokenize([d.text for d in order])
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            log.warning(
+                "data.tokenizer: '%s' has no EOS token; documents are joined without a separator", self.tokenizer_name
+            )
+        blocks: dict[str, Any] = {}
+        start = 0
+        for name in SPLITS:
+            n = len(by_split[name])
+            blocks[name] = pack_blocks(ids[start : start + n], eos, self.seq_len)
+            start += n
+        blocks["documents"] = {name: len(by_split[name]) for name in SPLITS}
+        return blocks
+
+    def _load_cache(self, path: Path) -> dict[str, Any] | None:
+        if not path.exists():
+            return None
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            ok = all(
+                isinstance(data.get(n), torch.Tensor) and data[n].ndim == 2 and data[n].shape[1] == self.seq_len
+                for n in SPLITS
+            )
+            if not ok:
+                raise ValueError("unexpected contents")
+            return data
+        except Exception as e:  # a corrupt or foreign file: rebuild it
+            log.warning("ignoring unreadable data cache %s (%s)", path, _one_line(e))
+            return None
+
+    def _save_cache(self, path: Path, data: dict[str, Any]) -> None:
+        try:
+            atomic_write(path, lambda tmp: torch.save(data, tmp))
+        except OSError as e:
+            log.warning("could not write the data cache %s (%s); continuing without it", path, _one_line(e))
+
+    def _blocks(self) -> dict[str, Any]:
+        """All packed blocks per split, from memory, the cache, or by tokenising."""
+        if self._all_blocks is None:
+            path = self.cache_path()
+            data = self._load_cache(path)
+            if data is None:
+                data = self._build()
+                self._save_cache(path, data)
+            else:
+                log.info("loaded packed blocks from %s", path)
+            self._all_blocks = data
+        return self._all_blocks
+
+    # ---------------------------------------------------------------- Lightning hooks
+
+    def prepare_data(self) -> None:
+        """Tokenise and cache once (Lightning calls this on one process per node)."""
+        self._blocks()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load (or build and cache) the blocks of every split. Idempotent."""
+        if self.train is not None:
+            return
+        data = self._blocks()
+        self._documents = dict(data.get("documents", {}))
+        wanted = {"calibration": self.calibration_samples, "validation": self.val_blocks, "train": self.train_blocks}
+        for name in SPLITS:
+            blocks = data[name]
+            if blocks.shape[0] == 0:
+                raise SourceError(
+                    f"data.seq_len: the {name} split of '{self.source}' has no complete block of {self.seq_len} tokens "
+                    f"({self._documents.get(name, 0)} documents); use a smaller data.seq_len, a larger data.split "
+                    "fraction or more text"
+                )
+            n = wanted[name]
+            if n is not None and blocks.shape[0] < n:
+                log.warning(
+                    "data: the %s split has only %d blocks of %d tokens (%d requested); using all of them",
+                    name, blocks.shape[0], self.seq_len, n,
+                )
+            setattr(self, name, blocks[:n].long() if n is not None else blocks.long())
+        if self.train.shape[0] < self.batch_size:
+            log.warning(
+                "data: only %d training blocks for batch_size %d; with drop_last the training loader is empty",
+                self.train.shape[0], self.batch_size,
+            )
+
+    def train_sampler(self, dataset) -> ResumableShuffle:
+        """The training order (see :class:`ResumableShuffle`), sharded over the trainer's ranks
+        and starting where a resumed checkpoint left off (:meth:`resume_at`)."""
+        trainer = getattr(self, "trainer", None)
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = ResumableShuffle(dataset, self.seed, self.batch_size, num_replicas=replicas, rank=rank)
+        if self._resume is not None:
+            sampler.resume_at(*self._resume)
+            self._resume = None
+        return sampler
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """Start the training loader's pass over ``epoch`` after its first ``batches`` batches
+        (set by the module when it restores a checkpoint saved mid-epoch)."""
+        self._resume = (epoch, batches)
+
+    def _loader(self, blocks: torch.Tensor, shuffle: bool) -> DataLoader:
+        dataset = _Blocks(blocks)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=self.train_sampler(dataset) if shuffle else None,
+            drop_last=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Training blocks, shuffled with a generator seeded by ``seed``; incomplete last batch dropped."""
+        self.setup()
+        return self._loader(self.train, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation blocks in fixed order."""
+        self.setup()
+        return self._loader(self.validation, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation blocks (there is no separate test split)."""
+        return self.val_dataloader()
+
+    def calibration_dataloader(self) -> DataLoader:
+        """Calibration blocks in fixed order, for head profiling."""
+        self.setup()
+        return self._loader(self.calibration, shuffle=False)
+
+    # ---------------------------------------------------------------- provenance
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance of the data: source, tokenizer, seq_len and blocks/tokens/documents per split."""
+        self.setup()
+        blocks = {name: int(getattr(self, name).shape[0]) for name in SPLITS}
+        available = {name: int(self._blocks()[name].shape[0]) for name in SPLITS}
+        return {
+            "source": self.source,
+            "tokenizer": self.tokenizer_name,
+            "seq_len": self.seq_len,
+            "split": list(self.split),
+            "text_field": _EMBEDDED[self.source].text_field if self.source in _EMBEDDED else self.text_field,
+            "blocks": blocks,
+            "tokens": {name: n * self.seq_len for name, n in blocks.items()},
+            "available_blocks": available,
+            "documents": dict(self._documents),
+            "fingerprint": self.fingerprint(),
+        }

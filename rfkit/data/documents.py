@@ -1,0 +1,93 @@
+"""Documents, their split keys and packing: which split (calibration, validation, train) a
+document belongs to, decided by its key alone, and how a split's token lists become blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import torch
+
+SPLITS = ("calibration", "validation", "train")
+DEFAULT_SPLIT = (0.05, 0.05)  # calibration, validation fractions; see default_split()
+
+
+class Document(NamedTuple):
+    """One text document with its split key (its title, else a hash of its text)."""
+
+    key: str
+    text: str
+
+
+def _one_line(text: Any, limit: int = 200) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def text_key(text: str) -> str:
+    """The key of a document without a title: a hash of its text."""
+    return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:20]
+
+
+def key_fraction(key: str) -> float:
+    """A number in [0, 1) fixed by the key alone: the first 32 bits of its SHA-1."""
+    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:8], 16) / 2**32
+
+
+def assign_split(key: str, split: Sequence[float]) -> str:
+    """``"calibration"``, ``"validation"`` or ``"train"`` for a document key.
+
+    ``split`` holds the fractions for calibration and validation; the rest is train.
+    """
+    h = key_fraction(key)
+    if h < split[0]:
+        return "calibration"
+    if h < split[0] + split[1]:
+        return "validation"
+    return "train"
+
+
+def _order(doc: Document) -> tuple[str, str, str]:
+    return (hashlib.sha1(doc.key.encode("utf-8")).hexdigest(), doc.key, doc.text)
+
+
+def split_documents(docs: Iterable[Document], split: Sequence[float]) -> dict[str, list[Document]]:
+    """Assign documents to ``calibration``/``validation``/``train`` by key.
+
+    Within each split the documents are sorted by key hash (ties by key, then text), so the
+    result depends only on the multiset of documents, not on their order.
+    """
+    out: dict[str, list[Document]] = {name: [] for name in SPLITS}
+    for doc in docs:
+        out[assign_split(doc.key, split)].append(doc)
+    for name in SPLITS:
+        out[name].sort(key=_order)
+    return out
+
+
+def pack_blocks(token_lists: Iterable[Sequence[int]], eos_id: int | None, seq_len: int) -> torch.Tensor:
+    """Join token lists with ``eos_id`` between them and cut into ``(N, seq_len)`` int32 blocks.
+
+    The incomplete tail is dropped. With ``eos_id=None`` the lists are simply concatenated.
+    """
+    stream: list[int] = []
+    first = True
+    for ids in token_lists:
+        if not first and eos_id is not None:
+            stream.append(eos_id)
+        stream.extend(ids)
+        first = False
+    n = len(stream) // seq_len
+    if n == 0:
+        return torch.empty((0, seq_len), dtype=torch.int32)
+    return torch.tensor(stream[: n * seq_len], dtype=torch.int32).view(n, seq_len)
+
+
+def _make_doc(text: str | None, title: str | None) -> Document | None:
+    if text is None:
+        return None
+    text = text.strip()
+    if not text:
+        return None
+    return Document(title if title else text_key(text), text)
