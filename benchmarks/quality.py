@@ -86,8 +86,8 @@ def end_to_end(model, train_blocks, batch_size, deadline, distill, lr, lora_lr, 
 
 def run_method(method, base, head_map, operator, datamodule, budget, args) -> dict:
     from rfkit.conversion.convert import convert, param_counts, parameter_delta
+    from rfkit.models.lora import LoraSettings, apply_lora, merge_lora
     from rfkit.training.distill import DistillConfig
-    from rfkit.training.lora import LoraSettings, apply_lora, merge_lora
     from rfkit.training.transfer import TransferConfig, transfer
 
     if method == "baseline":
@@ -152,10 +152,11 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from rfkit.callbacks.perplexity import evaluate_perplexity
+
+    from rfkit.config.loading import parse_recipe
     from rfkit.conversion.convert import load_base_model, profile_for
     from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
     from rfkit.models.layout import AttentionLayout
-    from rfkit.config.loading import parse_recipe
 
     torch.manual_seed(0)
     module, datamodule = parse_recipe(args.config, [])

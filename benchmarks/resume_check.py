@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     if not 0 < args.kill_after < args.steps:
         p.error("--kill-after: must lie between 0 and --steps")
 
-    from rfkit.training.checkpointing import read_meta
     from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.training.checkpointing import read_meta
 
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)

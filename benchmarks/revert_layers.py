@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from rfkit.callbacks.perplexity import evaluate_perplexity
-    from rfkit.conversion.headmap import atomic_write_json
+
     from rfkit.config.loading import load_model, parse_recipe
+    from rfkit.conversion.headmap import atomic_write_json
 
     started = time.time()
     model_dir = Path(args.model)

@@ -40,8 +40,8 @@ class SummedNLL(Metric):
 def evaluate_perplexity(model, batches, max_batches: int | None = None, desc: str = "perplexity") -> float:
     """Perplexity of ``model`` over ``batches`` (dicts with ``input_ids``); the progress bar shows
     on rank 0 of a distributed run only."""
-    from rfkit.training.losses import summed_nll
     from rfkit.conversion.profile import dist_rank_world
+    from rfkit.training.losses import summed_nll
 
     metric = SummedNLL()
     device = next(model.parameters()).device

@@ -80,7 +80,7 @@ def gathered_model(trainer, pl_module, root):
             clone = type(model)(copy.deepcopy(model.config))
             lora = getattr(pl_module, "lora", None)
             if lora is not None:
-                from rfkit.training.lora import apply_lora
+                from rfkit.models.lora import apply_lora
 
                 apply_lora(clone, lora)
     finally:

@@ -6,17 +6,6 @@ Importing rfkit registers the converted model types (``rf_llama``, ``rf_mistral`
 CUDA-only packages.
 """
 
-__version__ = "0.1.0"
-
-from rfkit.models import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
-from rfkit.errors import RFKitError  # noqa: E402
-from rfkit.conversion.operators import (  # noqa: E402
-    HybridOperator,
-    MambaOperator,
-    ReplacementOperator,
-    SinkRecentOperator,
-    SlidingWindowOperator,
-)
 from rfkit.conversion.policies import (  # noqa: E402
     ExplicitHeads,
     FromHeadMap,
@@ -25,6 +14,16 @@ from rfkit.conversion.policies import (  # noqa: E402
     RandomHeads,
     RecencyRatioPolicy,
 )
+from rfkit.errors import RFKitError  # noqa: E402
+from rfkit.models import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
+from rfkit.models.operators import (  # noqa: E402
+    HybridOperator,
+    MambaOperator,
+    ReplacementOperator,
+    SinkRecentOperator,
+    SlidingWindowOperator,
+)
+from rfkit.version import __version__  # noqa: E402,F401
 
 __all__ = [
     "ExplicitHeads",

@@ -1,10 +1,11 @@
 """Replacement operators, under the import path recipes, plugins and saved models name
 (``class_path: rfkit.operators.MambaOperator``; a saved ``config.json`` records its operator so).
 
-The code lives in :mod:`rfkit.conversion.operators`; this module keeps the public path stable.
+The code lives in :mod:`rfkit.models.operators`; this module keeps the public path stable.
 """
 
-from rfkit.conversion.operators import (
+from rfkit.models.layout import AttentionLayout
+from rfkit.models.operators import (
     HybridOperator,
     MambaOperator,
     OperatorError,
@@ -12,7 +13,6 @@ from rfkit.conversion.operators import (
     SinkRecentOperator,
     SlidingWindowOperator,
 )
-from rfkit.models.layout import AttentionLayout
 
 __all__ = [
     "AttentionLayout",

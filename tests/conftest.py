@@ -6,10 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import TINY, run_cli, tiny_args, tiny_model  # noqa: F401
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import rfkit  # noqa: F401  (registers the converted model types)
 from rfkit.cli import main
@@ -70,7 +67,8 @@ def converted_dir(tiny_model_dir, tiny_corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     """Send the packed-block cache to a temp dir shared by the requesting module's tests."""
-    from rfkit.data import datamodule as data  # TextDataModule.cache_path looks data_cache_dir up there
+    # TextDataModule.cache_path looks data_cache_dir up in rfkit.data.datamodule
+    from rfkit.data import datamodule as data
 
     root = tmp_path_factory.mktemp("data-cache")
     mp = pytest.MonkeyPatch()

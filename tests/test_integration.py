@@ -81,9 +81,9 @@ def test_smollm2_decoding_through_the_hybrid_cache(smollm2_run):
     float32 tolerance: atol 2e-3 on logits of magnitude ~10-30 (cached and uncached attention
     sum in different orders); the token-level checks are exact.
     """
-    import rfkit  # noqa: F401
     from transformers import AutoTokenizer
 
+    import rfkit  # noqa: F401
     from rfkit.models.cache import mixer_state_store
 
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_run / "model")).eval()

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_cli  # pytest puts tests/ on sys.path
 
 from rfkit.config import catalog
-from helpers import run_cli  # pytest puts tests/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_FILES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -55,7 +55,7 @@ COMMANDS: dict[str, Command] = {
 
 def help_text() -> str:
     """What ``rfkit --help`` prints: one line per command."""
-    from rfkit import __version__
+    from rfkit.version import __version__
 
     width = max(len(name) for name in COMMANDS)
     usage_width = max(len(c.usage) for c in COMMANDS.values())
@@ -125,7 +125,7 @@ def main(args: list[str] | None = None) -> None:
         print(help_text(), file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     if argv[0] == "--version":
-        from rfkit import __version__
+        from rfkit.version import __version__
 
         print(f"rfkit {__version__}")
         raise SystemExit(0)

@@ -37,10 +37,10 @@ _DEFAULT_CLASSES = {
     "data": "rfkit.data.TextDataModule",
     "trainer": "lightning.pytorch.Trainer",
     "model.policy": "rfkit.conversion.policies.RecencyRatioPolicy",
-    "model.operator": "rfkit.conversion.operators.MambaOperator",
+    "model.operator": "rfkit.models.operators.MambaOperator",
     "model.transfer": "rfkit.training.transfer.TransferConfig",
     "model.distill": "rfkit.training.distill.DistillConfig",
-    "model.lora": "rfkit.training.lora.LoraSettings",
+    "model.lora": "rfkit.models.lora.LoraSettings",
     "perplexity": "rfkit.callbacks.PerplexityMonitor",
     "cache": "rfkit.callbacks.CacheMonitor",
     "summary": "rfkit.callbacks.RunSummary",
@@ -144,7 +144,7 @@ def _class_of(section: str, argv: list[str]):
     path = path if isinstance(path, str) else _DEFAULT_CLASSES.get(section)
     if not path:
         return None
-    candidates = [path] if "." in path else [f"rfkit.conversion.policies.{path}", f"rfkit.conversion.operators.{path}", f"rfkit.data.{path}"]
+    candidates = [path] if "." in path else [f"rfkit.conversion.policies.{path}", f"rfkit.models.operators.{path}", f"rfkit.data.{path}"]
     for candidate in candidates:
         module, _, name = candidate.rpartition(".")
         try:

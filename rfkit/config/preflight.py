@@ -9,13 +9,10 @@ import os
 from pathlib import Path
 
 from rfkit.errors import RFKitError, one_line
-
+from rfkit.validate import is_int as _is_int
 
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
@@ -104,7 +101,14 @@ def check_model_fits_data(base_model: str, seq_len, tokenizer) -> None:
     """Model against data from files alone (no weights, no tokenizer built): ``data.seq_len``
     within the model's ``max_position_embeddings``; the tokenizer's ids within its ``vocab_size``.
     Skipped when the model's config is not on disk yet (a hub model before its download)."""
-    from rfkit.hub import SourceError, config_vocab_size, context_length, local_model_dir, read_model_config, tokenizer_size
+    from rfkit.hub import (
+        SourceError,
+        config_vocab_size,
+        context_length,
+        local_model_dir,
+        read_model_config,
+        tokenizer_size,
+    )
 
     found = read_model_config(base_model)
     if found is None:
@@ -131,7 +135,7 @@ def preflight(subcommand: str | None, config) -> None:
     """Checks that need only the parsed settings: they run before any class is built, any
     model loads or anything is written, and each failure is one line naming the field.
 
-    * the model source (:func:`rfkit.training.module.check_model_source`: path, config, layout,
+    * the model source (:func:`rfkit.models.source.check_model_source`: path, config, layout,
       weights, the hub cache offline), ahead of the data section whose tokenizer it links;
     * trainer settings that Lightning would refuse only once it builds the trainer;
     * the data text (:meth:`rfkit.data.TextDataModule.check_text`: not empty, some text);

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from rfkit.conversion.headmap import HeadMap, atomic_write_text, load_profile, model_fingerprint, save_profile
-from rfkit.hub import cache_dir, resolve_model
-from rfkit.models.layout import AttentionLayout
-from rfkit.conversion.operators import ReplacementOperator
 from rfkit.conversion.policies import FromHeadMap, HeadSelectionPolicy
 from rfkit.conversion.profile import profile_heads
+from rfkit.hub import cache_dir, resolve_model
+from rfkit.models.layout import AttentionLayout
+from rfkit.models.operators import ReplacementOperator
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def save_converted(
     leaves a half-written model; an existing directory at ``out_dir`` is replaced.
     """
     from rfkit.atomic import atomic_directory
-    from rfkit.training.lora import merge_lora
+    from rfkit.models.lora import merge_lora
 
     merged = merge_lora(model)  # LoRA adapters folded into their base weights: no peft needed to load
     if merged:

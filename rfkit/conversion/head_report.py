@@ -363,7 +363,7 @@ def write_head_report(
         ``{"rai_heatmap", "attention_maps", "first_token_contribution_json",
         "first_token_contribution_md": path}`` (the first two only with a profile).
     """
-    from rfkit.experiments import plots
+    from rfkit import plots
 
     if max_samples < 1 or map_tokens < 2 or chunk < 1:
         raise ValueError("head report: max_samples and chunk must be >= 1 and map_tokens >= 2")

@@ -30,10 +30,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rfkit.atomic import atomic_write
-from rfkit.errors import RFKitError
-from rfkit.validate import is_int, positive_int
-from rfkit.models.layout import AttentionLayout, LayoutError
 from rfkit.conversion.profile import HeadProfile
+from rfkit.errors import RFKitError
+from rfkit.models.layout import AttentionLayout, LayoutError
+from rfkit.validate import is_int, positive_int
 
 
 class HeadMapError(RFKitError):
@@ -164,7 +164,7 @@ class HeadMap:
         data: dict,
         fingerprint: dict | None = None,
     ):
-        from rfkit import __version__
+        from rfkit.version import __version__
 
         return cls(
             model=model_name,

@@ -58,7 +58,7 @@ def _front_matter(head_map: HeadMap) -> list[str]:
 
 
 def _about(head_map: HeadMap, operator: dict | None) -> list[str]:
-    from rfkit import __version__
+    from rfkit.version import __version__
 
     share = 100.0 * head_map.replaced_heads / head_map.total_heads if head_map.total_heads else 0.0
     blocks = "recurrent blocks"
@@ -231,7 +231,7 @@ def model_card(
         metrics: A run summary (``summary.json``'s keys: ``ppl_original``, ``ppl_converted``,
             ``ppl_ratio``, ``cache_bytes_per_token_*``, ``cache_ratio``, ``params_added``,
             ``params_removed``, ``train_tokens``, ``cache_seq_len``); absent keys are left out.
-        operator: The replacement operator: a :class:`~rfkit.conversion.operators.ReplacementOperator` or
+        operator: The replacement operator: a :class:`~rfkit.models.operators.ReplacementOperator` or
             its dict as saved in the model config (``rf_operator``: ``{class_path, init_args}``).
     """
     if operator is not None and hasattr(operator, "to_dict"):  # a ReplacementOperator instance

@@ -13,11 +13,10 @@ import math
 from abc import ABC, abstractmethod
 from typing import Literal
 
-from rfkit.errors import RFKitError
-from rfkit.validate import boolean, fraction, is_int, one_of, positive_int
-from rfkit.models.layout import AttentionLayout
 from rfkit.conversion.profile import HeadProfile
-
+from rfkit.errors import RFKitError
+from rfkit.models.layout import AttentionLayout
+from rfkit.validate import boolean, fraction, is_int, one_of, positive_int
 
 log = logging.getLogger(__name__)
 

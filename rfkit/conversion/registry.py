@@ -22,10 +22,10 @@ POLICY_ALIASES = {
     "from_head_map": "rfkit.conversion.policies.FromHeadMap",
 }
 OPERATOR_ALIASES = {
-    "mamba": "rfkit.conversion.operators.MambaOperator",
-    "sliding_window": "rfkit.conversion.operators.SlidingWindowOperator",
-    "sink_recent": "rfkit.conversion.operators.SinkRecentOperator",
-    "hybrid": "rfkit.conversion.operators.HybridOperator",
+    "mamba": "rfkit.models.operators.MambaOperator",
+    "sliding_window": "rfkit.models.operators.SlidingWindowOperator",
+    "sink_recent": "rfkit.models.operators.SinkRecentOperator",
+    "hybrid": "rfkit.models.operators.HybridOperator",
 }
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(?:\((.*)\))?\s*$", re.S)
@@ -135,6 +135,6 @@ def policy(text: str, defaults: dict | None = None):
 
 
 def operator(text: str):
-    from rfkit.conversion.operators import ReplacementOperator
+    from rfkit.models.operators import ReplacementOperator
 
     return build(text, ReplacementOperator, OPERATOR_ALIASES, "--operators")

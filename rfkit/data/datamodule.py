@@ -27,15 +27,8 @@ from rfkit.data.sources import (
     load_documents,
     source_kind,
 )
-from rfkit.hub import (
-    EMBEDDED_DATA,
-    EMBEDDED_MODEL,
-    SourceError,
-    cache_dir,
-    is_embedded,
-    looks_like_path,
-    resolve_model,
-)
+from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, SourceError, cache_dir, is_embedded, looks_like_path, resolve_model
+from rfkit.validate import is_int as _is_int
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +61,6 @@ def _load_tokenizer(name: str):
         log.warning("data.tokenizer: '%s' has no fast tokenizer; tokenising will be slow", name)
     return tok
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class TextDataModule(L.LightningDataModule):

@@ -9,8 +9,14 @@ from pathlib import Path
 import torch
 
 from rfkit.config.args import OneLineParser
-from rfkit.config.loading import ModelSpecError, check_lengths_fit, check_model_spec, check_output_file
-from rfkit.config.loading import model_config, torch_device
+from rfkit.config.loading import (
+    ModelSpecError,
+    check_lengths_fit,
+    check_model_spec,
+    check_output_file,
+    model_config,
+    torch_device,
+)
 from rfkit.validate import positive_int as _positive_int
 
 log = logging.getLogger(__name__)

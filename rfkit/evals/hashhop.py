@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 
 from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, greedy_generate, write_json
+
+# the fine-tuning data module keeps the class_path shipped recipes and saved configs name:
+# rfkit.evals.hashhop.HashHopDataModule
+from rfkit.evals.hashhop_finetune import HashHopDataModule  # noqa: F401
 from rfkit.evals.hashhop_samples import add_sample_arguments, check_sample_arguments, generate_samples, read_samples
 from rfkit.validate import positive_int
 
@@ -137,12 +141,7 @@ def validate(args) -> None:
     """Checks that load no weights: counts, the data file, the model spec, and that the longest
     prompt plus the generated tokens fit the model's context (the tokenizer is loaded for that).
     Sets ``args.hh_samples``, ``args.max_new_tokens`` and ``args.prompt_tokens``."""
-    from rfkit.config.loading import (
-        ModelSpecError,
-        check_lengths_fit,
-        max_context,
-        model_config,
-    )
+    from rfkit.config.loading import ModelSpecError, check_lengths_fit, max_context, model_config
 
     positive_int("--samples", args.samples, optional=True, error=EvalError, message=AT_LEAST)
     positive_int("--batch-size", args.batch_size, error=EvalError, message=AT_LEAST)

@@ -22,8 +22,14 @@ import re
 import time
 
 from rfkit.config.args import parse_depths, parse_lengths
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, greedy_generate, positive_int
-from rfkit.evals.common import write_json
+from rfkit.evals.common import (
+    EvalError,
+    add_model_arguments,
+    check_model_arguments,
+    greedy_generate,
+    positive_int,
+    write_json,
+)
 
 INSTRUCTION = (
     "Somewhere in the long passage below, a pass key is hidden among sentences that do not matter. "

@@ -88,9 +88,9 @@ def sliding_window_nll(model, ids, block_size: int, stride: int) -> tuple[float,
 def data_settings(args) -> dict:
     """Source, tokenizer, block size, validation blocks, split and text field to evaluate with:
     the flags, else the recipe's / head map's data settings, else the TextDataModule defaults."""
+    from rfkit.config.loading import check_model_spec
     from rfkit.data import DEFAULT_SPLIT, TextDataModule, default_split, source_kind
     from rfkit.hub import is_embedded, looks_like_path
-    from rfkit.config.loading import check_model_spec
 
     defaults = {
         name: p.default

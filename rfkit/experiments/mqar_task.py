@@ -16,7 +16,7 @@ vocabulary). Labels are -100 everywhere except at each answer.
 
 **Alignment** (self-consistent, next-token): a queried key sits at ``inputs[t]``, its value at
 ``inputs[t + 1]`` and ``labels[t + 1] = value``. The logits at ``t`` predict ``labels[t + 1]``,
-exactly as :func:`rfkit.training.module.summed_nll` shifts them, and the value in the input keeps the
+exactly as :func:`rfkit.training.losses.summed_nll` shifts them, and the value in the input keeps the
 sequence an ordinary token stream. (Zoology instead puts noise after the key and does not shift
 its labels.) Accuracy (:func:`mqar_accuracy`) is the fraction of labelled positions whose argmax
 prediction from the previous position equals the value.

@@ -162,7 +162,7 @@ def build_model(settings: ModelSettings, max_length: int, seed: int):
 
 
 def mamba_operator(settings: ModelSettings):
-    from rfkit.conversion.operators import MambaOperator
+    from rfkit.models.operators import MambaOperator
 
     return MambaOperator(d_state=settings.d_state, d_conv=settings.d_conv, expand=settings.expand)
 
@@ -179,8 +179,8 @@ def profile_model(model, batches: list[dict], select: SelectSettings, window: in
 def head_map_for(model, profile, beta: float, select: SelectSettings, window: int, data: dict | None = None):
     """The :class:`rfkit.conversion.headmap.HeadMap` that RecencyRatioPolicy at ``beta`` picks from ``profile``."""
     from rfkit.conversion.headmap import HeadMap
-    from rfkit.models.layout import AttentionLayout
     from rfkit.conversion.policies import RecencyRatioPolicy
+    from rfkit.models.layout import AttentionLayout
 
     policy = RecencyRatioPolicy(
         window=window, alpha=select.alpha, beta=beta, exclude_first_token=select.exclude_first_token,

@@ -121,7 +121,6 @@ def validate(args) -> None:
     args.long_length_list = []
     if args.long is not None:
         from rfkit.data import TextDataModule
-
         from rfkit.hub import SourceError
 
         try:
@@ -213,8 +212,8 @@ def long_sets(source: str, tokenizer: str, lengths: list[int], blocks: int) -> d
 def measure(model, val_batches, cache_length: int, device, desc: str, long: dict | None = None) -> dict:
     """Validation perplexity and the cache after ``cache_length`` tokens (plus the analytic
     per-token K/V bytes and constant state); with ``long``, the perplexity on each of its sets."""
-    from rfkit.experiments.bench import analytic_cache, cache_after_generation
     from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.experiments.bench import analytic_cache, cache_after_generation
 
     model.to(device).eval()
     ppl = evaluate_perplexity(model, val_batches, desc=desc)
@@ -346,8 +345,7 @@ def operator_label(spec: dict) -> str:
     """``sink_recent(sink=4,window=64)`` for an operator's ``to_dict()`` (its registry alias
     when it has one, else its class name)."""
     from rfkit.conversion.registry import OPERATOR_ALIASES
-
-    from rfkit.conversion.operators import ReplacementOperator
+    from rfkit.models.operators import ReplacementOperator
 
     path = spec["class_path"]
     alias = next((a for a, p in OPERATOR_ALIASES.items() if p == path), path.rsplit(".", 1)[-1])
@@ -364,9 +362,9 @@ def _trained_rows(path: Path, val_batches, cache_length: int, device, long: dict
     from its head map and config. A hybrid model gets a second row with its state switched off
     (:func:`rfkit.models.hybrid.state_off`): same window, same cache, so the gap is what the state
     carries from beyond the window."""
+    from rfkit.config.loading import load_model
     from rfkit.conversion.headmap import HeadMap
     from rfkit.models.hybrid import state_off
-    from rfkit.config.loading import load_model
 
     head_map = HeadMap.load(path / "head_map.json")
     model = load_model(str(path), device=device).model
@@ -434,7 +432,7 @@ def plot(result: dict, path: Path) -> Path:
     """Perplexity ratio against cache bytes per token: one line per policy x operator (colour:
     operator, marker and dash: policy), one point per beta; one panel per evaluation set (the
     recipe's validation blocks, then each ``--long`` set)."""
-    from rfkit.experiments.plots import pyplot, save_figure
+    from rfkit.plots import pyplot, save_figure
 
     plt = pyplot()
     panels = [("ppl_ratio", f"validation blocks of {result['seq_len']}")]

@@ -1,6 +1,6 @@
 """Sink + recent softmax attention with a linear-attention state for the tokens that left the window.
 
-:class:`HybridWindowAttention` is the mixer of :class:`rfkit.conversion.operators.HybridOperator`. Every
+:class:`HybridWindowAttention` is the mixer of :class:`rfkit.models.operators.HybridOperator`. Every
 replaced query head keeps exact softmax attention, with its pretrained rotated query and keys,
 over the first ``sink`` and the last ``window`` tokens (as :class:`rfkit.models.window.WindowAttention`).
 Tokens that have left the window (rank ``s <= t <= r - w`` for a query of rank ``r``) are not

@@ -46,15 +46,11 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (
-    LlamaForCausalLM,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
 
 from rfkit.models.cache import mixer_state_store
 from rfkit.models.layout import AttentionLayout
-from rfkit.conversion.operators import ReplacementOperator
+from rfkit.models.operators import ReplacementOperator
 
 log = logging.getLogger(__name__)
 

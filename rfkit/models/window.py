@@ -1,6 +1,6 @@
 """Window attention mixers: replaced heads keep attending, but only to a fixed set of tokens.
 
-Two operators of :mod:`rfkit.conversion.operators` build :class:`WindowAttention`:
+Two operators of :mod:`rfkit.models.operators` build :class:`WindowAttention`:
 
 - ``SlidingWindowOperator(window=w)``: each replaced head attends to the last ``w`` tokens
   (itself included), as RazorAttention does for its non-retrieval heads.
@@ -12,7 +12,7 @@ no training is needed. Their cache is a constant-size state that rides on the sa
 as the Mamba state (:func:`rfkit.models.cache.mixer_state_store`), so the cache accounting,
 ``rfkit bench cache`` and ``generate`` treat all operators alike.
 
-Input (the ``qkv`` operator input, see :class:`rfkit.conversion.operators.ReplacementOperator`): one tensor
+Input (the ``qkv`` operator input, see :class:`rfkit.models.operators.ReplacementOperator`): one tensor
 ``(B, L, Hq*hd + 2*Hkv*hd)`` holding the replaced heads' rotated queries, then their KV heads'
 rotated keys and values.
 

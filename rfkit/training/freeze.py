@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from rfkit.conversion.policies import PolicyError
 
 if TYPE_CHECKING:
-    from rfkit.conversion.operators import ReplacementOperator
+    from rfkit.models.operators import ReplacementOperator
 
 FREEZE_PRESETS = ("pretrained", "mixers", "lora", "none", "all")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,14 @@ import lightning as L
 import torch
 from jsonargparse import lazy_instance
 
+from rfkit.conversion.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
+from rfkit.conversion.headmap import HeadMap
+from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
+from rfkit.hub import SourceError
+from rfkit.models.layout import AttentionLayout
+from rfkit.models.lora import LoraSettings
+from rfkit.models.operators import MambaOperator, ReplacementOperator
+from rfkit.models.source import check_model_source
 from rfkit.training.distill import DistillConfig, training_loss
 from rfkit.training.freeze import (
     FREEZE_PRESETS,
@@ -33,21 +41,7 @@ from rfkit.training.freeze import (
     trains_shared,
 )
 from rfkit.training.losses import summed_nll
-from rfkit.training.lora import LoraSettings
 from rfkit.training.transfer import TransferConfig
-from rfkit.conversion.convert import (
-    build_head_map,
-    convert,
-    load_base_model,
-    param_counts,
-    parameter_delta,
-)
-from rfkit.conversion.headmap import HeadMap
-from rfkit.hub import SourceError
-from rfkit.models.layout import AttentionLayout
-from rfkit.models.source import check_model_source
-from rfkit.conversion.operators import MambaOperator, ReplacementOperator
-from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +70,7 @@ class RecurFormerModule(L.LightningModule):
         transfer: Attention transfer before training (:class:`rfkit.training.transfer.TransferConfig`);
             also runs in ``rfkit convert``.
         distill: Distillation losses (:class:`rfkit.training.distill.DistillConfig`); default plain CE.
-        lora: LoRA adapters on kept projections (:class:`rfkit.training.lora.LoraSettings`), merged on save.
+        lora: LoRA adapters on kept projections (:class:`rfkit.models.lora.LoraSettings`), merged on save.
         gradient_checkpointing: Recompute decoder layers in the backward pass instead of keeping
             their activations (HF's non-reentrant checkpointing): less memory, about a third
             more compute. For long sequences on GPUs.
@@ -244,8 +238,8 @@ class RecurFormerModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Put the converted architecture (head map, operator) and the run's state into the
         checkpoint, as plain data that ``torch.load(weights_only=True)`` reads."""
-        from rfkit import __version__
         from rfkit.training.checkpointing import META_FORMAT, META_KEY
+        from rfkit.version import __version__
 
         if self.head_map is None:
             return
@@ -326,7 +320,7 @@ class RecurFormerModule(L.LightningModule):
             report = transfer(self.model, datamodule.calibration, self.transfer_config)
             self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
         if self.lora is not None:
-            from rfkit.training.lora import apply_lora
+            from rfkit.models.lora import apply_lora
 
             self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
         if self.gradient_checkpointing:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import SMOLLM, run_cli, tiny_args
 
 import rfkit.training.module  # noqa: F401  (imported before any test replaces rfkit.conversion.convert.load_base_model)
-from helpers import SMOLLM, run_cli, tiny_args
 
 ERROR = "rfkit: error: "
 

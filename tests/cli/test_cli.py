@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import MAMBA, RECIPES, ROOT, SMOLLM, run_cli, tiny_args  # noqa: F401
 from transformers import AutoModelForCausalLM
 
-from helpers import MAMBA, RECIPES, ROOT, SMOLLM, run_cli, tiny_args  # noqa: F401
-from rfkit.cli import main
 from rfkit.config.parse_errors import tidy_parse_error
+
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_parses_against_the_signatures_it_names(recipe):

@@ -10,13 +10,13 @@ import json
 
 import pytest
 import torch
+from helpers import random_ids, tiny_model
 
 from rfkit.conversion.head_report import _INDEX, REPORT_ATTENTION, _summary, collect, pick_heads, write_head_report
 from rfkit.conversion.headmap import HeadMap
-from rfkit.models.layout import AttentionLayout
 from rfkit.conversion.policies import ExplicitHeads, RecencyRatioPolicy
 from rfkit.conversion.profile import profile_heads
-from helpers import random_ids, tiny_model
+from rfkit.models.layout import AttentionLayout
 
 PNG = b"\x89PNG\r\n\x1a\n"
 L = 40

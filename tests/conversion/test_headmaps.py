@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
-from helpers import SMOLLM, run_cli, tiny_args
+from helpers import SMOLLM, run_cli, tiny_args, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import rfkit.conversion.convert
 import rfkit.training.module  # noqa: F401  (bound to rfkit.conversion.convert's functions before any test patches them)
 from rfkit.conversion.convert import build_head_map, fingerprint_model
-from rfkit.errors import RFKitError
 from rfkit.conversion.headmap import HeadMap, config_sha256, head_map_cache_path
-from rfkit.models.layout import AttentionLayout, LayoutError
 from rfkit.conversion.model_card import model_card
 from rfkit.conversion.policies import ExplicitHeads, FromHeadMap
+from rfkit.errors import RFKitError
+from rfkit.models.layout import AttentionLayout, LayoutError
 
 SELECTED = [[0, 1], [2, 3]]
 

@@ -1,8 +1,8 @@
 import pytest
 
-from rfkit.models.layout import AttentionLayout, LayoutError
 from rfkit.conversion.policies import ExplicitHeads, PolicyError, RecencyRatioPolicy
 from rfkit.conversion.profile import HeadProfile
+from rfkit.models.layout import AttentionLayout, LayoutError
 
 # 2 layers, 4 query heads, 2 KV heads (groups {0,1}, {2,3})
 LAYOUT = AttentionLayout("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)

@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
+from helpers import random_ids, tiny_model
 
 from rfkit.conversion.profile import attention_entropy, profile_heads, recency_ratio
-from helpers import random_ids, tiny_model
 
 # One head, 4 tokens, causal rows summing to 1.
 A = torch.tensor(

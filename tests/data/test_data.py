@@ -15,17 +15,8 @@ import pytest
 import torch
 
 import rfkit.data.datamodule as data  # the module whose names TextDataModule looks up (patched below)
-from rfkit.data import (
-    SPLITS,
-    Document,
-    TextDataModule,
-    assign_split,
-    load_documents,
-    pack_blocks,
-    split_documents,
-)
+from rfkit.data import SPLITS, Document, TextDataModule, assign_split, load_documents, pack_blocks, split_documents
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, SourceError, resolve_model
-
 
 pytestmark = pytest.mark.usefixtures("data_cache")  # conftest: packed blocks go to a temp dir
 

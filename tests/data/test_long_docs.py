@@ -26,7 +26,6 @@ from rfkit.data import (
 )
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, EMBEDDED_SHAKESPEARE, SourceError, resolve_model
 
-
 pytestmark = pytest.mark.usefixtures("data_cache")  # conftest: packed blocks go to a temp dir
 
 
@@ -119,8 +118,7 @@ def test_eval_ppl_on_shakespeare_scores_long_blocks_from_four_works(tiny_model_d
     """A recipe recorded for Wikipedia (split 0.05/0.05, 32 validation blocks of 128 tokens):
     ``--source embedded:shakespeare`` takes the source's split and 64 blocks instead."""
     from rfkit.evals import ppl
-    from rfkit.evals.common import EvalParser
-    from rfkit.evals.common import EvalError
+    from rfkit.evals.common import EvalError, EvalParser
 
     with open(SMOLLM) as f:
         config = yaml.safe_load(f)

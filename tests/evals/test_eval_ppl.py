@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from helpers import random_ids, tiny_model
-from helpers import SMOLLM, run_cli
+from helpers import SMOLLM, random_ids, run_cli, tiny_model
+from rfkit.callbacks.perplexity import evaluate_perplexity
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rfkit.callbacks.perplexity import evaluate_perplexity
 from rfkit.data import TextDataModule, load_documents, split_documents
 from rfkit.evals.ppl import sliding_window_nll
 from rfkit.training.losses import summed_nll

@@ -13,9 +13,9 @@ import yaml
 from helpers import SMOLLM, run_cli
 from transformers import AutoModelForCausalLM
 
+from rfkit.conversion.headmap import HeadMap
 from rfkit.experiments import bench
 from rfkit.models.cache import cache_bytes
-from rfkit.conversion.headmap import HeadMap
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import run_cli  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
 
 SMOLLM = "recipes/smollm2_b05.yaml"
@@ -174,8 +173,9 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
             assert row["long_ppl_ratio"][key] == pytest.approx(ppl / result["original"]["long_ppl"][key])
     # the trained directory is measured as saved: its perplexity is what loading it gives
     from rfkit.callbacks.perplexity import evaluate_perplexity
-    from rfkit.data import TextDataModule
+
     from rfkit.config.loading import load_model
+    from rfkit.data import TextDataModule
 
     data = TextDataModule(source=str(tiny_corpus), tokenizer=str(tiny_model_dir), seq_len=64, val_blocks=2, batch_size=1)
     data.setup("validate")

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_ids, tiny_model
 from transformers import DynamicCache, StaticCache
 
 from rfkit.models.cache import mixer_state_store
 from rfkit.models.modeling import TOKEN_MASK_KWARG, RecurFormerAttention, to_recurformer
-from rfkit.conversion.operators import MambaOperator
-from helpers import random_ids, tiny_model
+from rfkit.models.operators import MambaOperator
 
 GQA = ("llama", 4, 2, [[0, 1, 2, 3], [1, 2]])
 MHA = ("llama", 4, 4, [[1, 2], [0, 1, 2, 3]])

@@ -8,14 +8,13 @@ import copy
 
 import pytest
 import torch
+from helpers import packed, random_ids, tiny_model
 
-from helpers import random_ids, tiny_model
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.modeling import to_recurformer
-from rfkit.conversion.operators import HybridOperator, OperatorError, ReplacementOperator, SinkRecentOperator
+from rfkit.models.operators import HybridOperator, OperatorError, ReplacementOperator, SinkRecentOperator
 from rfkit.models.window import WindowAttention
-from helpers import packed
 
 KVQ = [0, 0, 1]  # three query heads over two KV heads
 HD = 8

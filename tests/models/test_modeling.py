@@ -4,16 +4,16 @@ import copy
 
 import pytest
 import torch
+from helpers import random_ids, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from rfkit.models.cache import cache_bytes, measure_cache
 from rfkit.conversion.convert import save_converted
 from rfkit.conversion.headmap import HeadMap
+from rfkit.conversion.policies import ExplicitHeads
+from rfkit.models.cache import cache_bytes, measure_cache
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.modeling import RecurFormerAttention, to_recurformer
-from rfkit.conversion.operators import MambaOperator
-from rfkit.conversion.policies import ExplicitHeads
-from helpers import random_ids, tiny_model
+from rfkit.models.operators import MambaOperator
 
 FAMILIES = [("llama", 4, 4), ("llama", 4, 2), ("qwen2", 4, 2), ("mistral", 4, 1)]
 

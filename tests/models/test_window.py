@@ -7,11 +7,17 @@ import copy
 
 import pytest
 import torch
-
 from helpers import packed, random_ids, tiny_model
+
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.modeling import to_recurformer
-from rfkit.conversion.operators import MambaOperator, OperatorError, ReplacementOperator, SinkRecentOperator, SlidingWindowOperator
+from rfkit.models.operators import (
+    MambaOperator,
+    OperatorError,
+    ReplacementOperator,
+    SinkRecentOperator,
+    SlidingWindowOperator,
+)
 from rfkit.models.window import WindowAttention
 
 ALL = [[0, 1, 2, 3], [0, 1, 2, 3]]
@@ -167,13 +173,12 @@ def test_bad_window_settings_name_the_field(make, field):
 
 
 def test_recipes_name_window_operators_and_comparison_policies(tiny_model_dir, tiny_corpus, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     from helpers import run_cli, tiny_args
+    from transformers import AutoModelForCausalLM
 
     args = [
         *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
-        "--model.operator", "rfkit.conversion.operators.SinkRecentOperator",
+        "--model.operator", "rfkit.models.operators.SinkRecentOperator",
         "--model.operator.sink", "2", "--model.operator.window", "6",
         "--model.policy", "rfkit.conversion.policies.LayerwisePolicy", "--model.policy.beta", "0.5",
     ]  # fmt: skip

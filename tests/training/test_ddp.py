@@ -256,9 +256,9 @@ def test_fit_under_fsdp_saves_the_gathered_model(single_run, tiny_model_dir, tin
     """FSDP with the 7B recipes' settings (decoder-layer wrapping and activation checkpointing,
     full sharding), on 2 CPU processes: the summary gathers the sharded weights (LoRA merged)
     into a saved model that computes exactly the perplexity the sharded model measured."""
+    from rfkit.callbacks import evaluate_perplexity
     from transformers import AutoModelForCausalLM
 
-    from rfkit.callbacks import evaluate_perplexity
     from rfkit.data import TextDataModule
 
     layer = "[transformers.models.llama.modeling_llama.LlamaDecoderLayer]"
@@ -342,8 +342,8 @@ def test_the_shared_teacher_swaps_attention_inside_layer_wrappers():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from rfkit.conversion.convert import convert
-    from rfkit.conversion.operators import MambaOperator
     from rfkit.conversion.policies import ExplicitHeads
+    from rfkit.models.operators import MambaOperator
     from rfkit.training.teacher import SharedTeacher
 
     original = tiny_model("llama")

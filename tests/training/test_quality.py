@@ -8,16 +8,15 @@ import json
 
 import pytest
 import torch
+from helpers import MAMBA, random_ids, run_cli, tiny_args, tiny_model
 from torch import nn
 
-from helpers import random_ids, tiny_model
-from helpers import MAMBA, run_cli, tiny_args
-from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
-from rfkit.training.lora import LoraSettings, apply_lora, lora_layers, merge_lora
-from rfkit.models.modeling import to_recurformer
-from rfkit.training.freeze import FreezeStage, check_schedule, stage_at, trainable_names
-from rfkit.conversion.operators import MambaOperator
 from rfkit.conversion.policies import PolicyError
+from rfkit.models.lora import LoraSettings, apply_lora, lora_layers
+from rfkit.models.modeling import to_recurformer
+from rfkit.models.operators import MambaOperator
+from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
+from rfkit.training.freeze import FreezeStage, check_schedule, stage_at, trainable_names
 from rfkit.training.teacher import SharedTeacher
 from rfkit.training.transfer import TransferConfig, TransferError, capture, transfer
 
@@ -136,8 +135,8 @@ def test_from_attention_passes_values_and_scores_through():
 
 
 def test_from_attention_needs_expand_two():
+    from rfkit.models.operators import OperatorError
     from rfkit.training.freeze import init_from_attention
-    from rfkit.conversion.operators import OperatorError
 
     operator = MambaOperator(expand=1)
     _, model = converted(operator=operator)
@@ -222,8 +221,8 @@ def test_lora_merge_gives_identical_logits_and_plain_layers(tmp_path):
         layer.requires_grad_(False)
     SharedTeacher(model)(input_ids=ids, use_cache=False)
     assert not any(p.requires_grad for _, layer in lora_layers(model) for p in layer.parameters())
-    from rfkit.models.layout import AttentionLayout
     from rfkit.conversion.policies import ExplicitHeads
+    from rfkit.models.layout import AttentionLayout
 
     policy = ExplicitHeads(heads=SELECTED)
     head_map = HeadMap.build("tiny", AttentionLayout.from_config(model.config), None, SELECTED, policy, {})

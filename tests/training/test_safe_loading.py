@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from helpers import RECIPES, SMOLLM, run_cli, tiny_args
+from safetensors.torch import load_file
 
 from rfkit.training.module import RecurFormerModule
 
