@@ -101,6 +101,12 @@ class PerplexityMonitor(L.Callback):
         datamodule = trainer.datamodule
         if datamodule is None:
             return
+        from rfkit.training.progress import phase
+
+        with phase(pl_module, "measure", "the converted model"):
+            pl_module.run_metrics["ppl_converted"] = self._converted(trainer, pl_module, datamodule)
+
+    def _converted(self, trainer, pl_module, datamodule) -> float:
         from rfkit.callbacks.summary import fsdp_root
 
         root = fsdp_root(trainer)
@@ -111,4 +117,4 @@ class PerplexityMonitor(L.Callback):
             ppl = evaluate_perplexity(root, datamodule.val_dataloader(), self.max_batches, "perplexity (converted)")
         else:  # one process, or DDP: every rank holds the whole model; no collective needed
             ppl = self._evaluate(pl_module, datamodule, "perplexity (converted)")
-        pl_module.run_metrics["ppl_converted"] = ppl
+        return ppl

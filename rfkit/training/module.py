@@ -41,6 +41,7 @@ from rfkit.training.freeze import (
     trains_shared,
 )
 from rfkit.training.losses import summed_nll
+from rfkit.training.progress import Phases
 from rfkit.training.transfer import TransferConfig
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class RecurFormerModule(L.LightningModule):
         self.model = None
         self.head_map: HeadMap | None = None
         self.run_metrics: dict = {}  # filled by callbacks and by this module; summary.json reads it
+        self.phases = Phases()  # one log line and one summary entry per phase of the run
         self.train_tokens = 0
         self.started = time.time()
         self.resumed_from: str | None = None  # the checkpoint this run's architecture was rebuilt from
@@ -273,19 +275,25 @@ class RecurFormerModule(L.LightningModule):
     def prepare(self, datamodule=None, callbacks=()) -> None:
         """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
         ``on_after_convert`` see the original and the converted model."""
-        model = self._load_base()
+        with self.phases("load", self.base_model):
+            model = self._load_base()
         policy = self.policy
         if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
             from rfkit.conversion.policies import FromHeadMap
 
             policy = FromHeadMap.for_field(self.head_map_path, "model.head_map")
+        self.phases.start("profile")
         head_map = build_head_map(model, self.base_model, policy, datamodule, reuse=self.reuse_profile)
+        self.phases.end("profile", f"{head_map.replaced_heads} of {head_map.total_heads} query heads selected")
         self.model = model
-        for cb in callbacks:
-            if hasattr(cb, "on_before_convert"):
-                cb.on_before_convert(self, datamodule)
+        if any(hasattr(cb, "on_before_convert") for cb in callbacks):
+            with self.phases("measure", "the original model"):
+                for cb in callbacks:
+                    if hasattr(cb, "on_before_convert"):
+                        cb.on_before_convert(self, datamodule)
         before = param_counts(model)
-        self.model = convert(model, head_map, self.operator)
+        with self.phases("convert", type(self.operator).__name__):
+            self.model = convert(model, head_map, self.operator)
         self.head_map = head_map
         added, removed = parameter_delta(before, self.model)
         self.run_metrics.update(
@@ -317,7 +325,8 @@ class RecurFormerModule(L.LightningModule):
 
             if datamodule is None or getattr(datamodule, "calibration", None) is None:
                 raise PolicyError("model.transfer: attention transfer needs calibration data (a data section)")
-            report = transfer(self.model, datamodule.calibration, self.transfer_config)
+            with self.phases("transfer", f"{self.transfer_config.steps} steps"):
+                report = transfer(self.model, datamodule.calibration, self.transfer_config)
             self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
         if self.lora is not None:
             from rfkit.models.lora import apply_lora
@@ -405,6 +414,12 @@ class RecurFormerModule(L.LightningModule):
                 "(model.optimizer), or check the data"
             )
         return "No checkpoint was saved before it (checkpoint.every_n_train_steps); lower the learning rate or check the data"
+
+    def on_train_start(self) -> None:
+        self.phases.start("train")
+
+    def on_train_end(self) -> None:
+        self.phases.end("train", f"{self.global_step} steps")
 
     def on_train_epoch_start(self) -> None:
         self._epoch_batches = 0

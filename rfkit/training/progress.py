@@ -1,0 +1,106 @@
+"""What a run shows while it runs: one line per phase with its time, and a training bar that
+counts optimizer steps.
+
+* :class:`Phases` times the phases of a run (load, profile, measure, transfer, train, save) and
+  logs one line as each ends; the seconds go into ``summary.json`` under ``phases``.
+* :class:`StepProgressBar` is Lightning's tqdm bar, except that a step-bounded run
+  (``trainer.max_steps`` set) reads ``train: 12/20 steps`` instead of ``Epoch 0/-2``; runs bounded
+  by epochs keep Lightning's epoch bar.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+log = logging.getLogger("rfkit")
+
+
+def format_seconds(seconds: float) -> str:
+    """``4.2 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+class Phases:
+    """Wall time per phase; a phase entered twice (``measure`` before and after training) adds up."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._open: dict[str, list[float]] = {}  # name -> [start, seconds of phases run inside it]
+
+    def start(self, name: str) -> None:
+        self._open[name] = [time.perf_counter(), 0.0]
+
+    def end(self, name: str, detail: str = "") -> float:
+        """Close phase ``name`` (opened by :meth:`start`) and log its line; returns its seconds.
+        A phase that ran inside another (the final ``measure`` inside ``train``: Lightning calls
+        the callbacks' ``on_train_end`` first) is not counted twice: the outer one excludes it."""
+        opened = self._open.pop(name, None)
+        if opened is None:
+            return 0.0
+        took = time.perf_counter() - opened[0] - opened[1]
+        for other in self._open.values():
+            other[1] += took
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 2)
+        if rank_zero_only.rank == 0:
+            log.info("%-9s %9s%s", name, format_seconds(took), f"  {detail}" if detail else "")
+        return took
+
+    @contextmanager
+    def __call__(self, name: str, detail: str = ""):
+        """``with phases("load", "embedded:smollm2-135m-instruct"): ...``"""
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.end(name, detail)
+
+
+def phase(pl_module, name: str, detail: str = ""):
+    """The phase context of ``pl_module`` (a :class:`~rfkit.training.module.RecurFormerModule`),
+    or a plain one for any other LightningModule a callback may meet."""
+    phases = getattr(pl_module, "phases", None)
+    return phases(name, detail) if isinstance(phases, Phases) else Phases()(name, detail)
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, counting optimizer steps out of ``trainer.max_steps`` when the run is
+    step-bounded (as every rfkit recipe is); an epoch-bounded run gets Lightning's own bar."""
+
+    @staticmethod
+    def _steps(trainer) -> int | None:
+        return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+
+    def on_train_epoch_start(self, trainer, *args) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        total = self._steps(trainer)
+        if total is None:
+            return
+        bar = self.train_progress_bar
+        bar.reset(total=total)
+        bar.n = bar.last_print_n = trainer.global_step  # a resumed run starts where it stopped
+        bar.set_description("train (steps)")
+        bar.refresh()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._steps(trainer) is None:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        if bar is not None and not bar.disable and trainer.global_step != bar.n:
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version number: noise next to the loss
+        return metrics
