@@ -10,14 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import rfkit  # noqa: F401  (registers the converted model types)
 from rfkit.cli import main

@@ -40,6 +40,7 @@ def smollm2_run(tmp_path_factory):
     return next(tmp_path.rglob("summary.json")).parent
 
 
+@pytest.mark.slow
 def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     summary_path = smollm2_run / "summary.json"
     summary = json.loads(summary_path.read_text())
@@ -74,6 +75,7 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     assert torch.isfinite(model(ids).logits).all()
 
 
+@pytest.mark.slow
 def test_smollm2_decoding_through_the_hybrid_cache(smollm2_run):
     """The converted SmolLM2: cached decoding equals full forwards, greedy generate equals the
     argmax chain, and a left-padded batch generates what each prompt generates alone.

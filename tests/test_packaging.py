@@ -5,9 +5,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
@@ -36,6 +39,7 @@ def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
     assert out[0].startswith(str(site)) and out[1] == "PerplexityMonitor"
 
 
+@pytest.mark.slow
 def test_import_rfkit_does_not_import_cuda_only_packages():
     probe = "import sys, rfkit; print(sorted(m for m in ('mamba_ssm', 'causal_conv1d', 'triton') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)

@@ -98,6 +98,7 @@ def test_resolve_config_takes_a_file_or_a_catalogue_name(tmp_path, monkeypatch):
     assert catalog.resolve_config("smollm2_b05.yaml") == "smollm2_b05.yaml"  # an existing file wins
 
 
+@pytest.mark.slow
 def test_fit_config_by_name_finds_the_packaged_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no recipes/ here: the name alone must find it
     code, out, err = run_cli(["fit", "--config", "smollm2_b05", "--model.policy.init_args.beta", "2"], capsys)

@@ -239,6 +239,7 @@ def test_a_complete_hub_cache_passes_the_preflight(tiny_model_dir, tiny_corpus, 
     assert cli.model.base_model == "someorg/tiny-llama"
 
 
+@pytest.mark.slow
 def test_beta_1_with_the_opt_in_warns_and_runs(tiny_model_dir, tiny_corpus, tmp_path, capsys, caplog):
     out_dir = tmp_path / "all_heads"
     args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--model.transfer", "null",
@@ -254,6 +255,7 @@ def test_beta_1_with_the_opt_in_warns_and_runs(tiny_model_dir, tiny_corpus, tmp_
     assert head_map["policy"]["allow_all_heads"] is True
 
 
+@pytest.mark.slow
 def test_full_disk_while_converting_leaves_nothing(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
     """ENOSPC half-way through writing the weights: one line naming the output, exit 2, and
     neither the output directory nor its temporary sibling left behind."""
@@ -294,6 +296,7 @@ def test_the_disk_full_error_is_still_an_oserror(tmp_path, monkeypatch):
     assert listing(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
     """The installed ``rfkit`` script, two processes side by side: an interrupted hub download
     (offline, its cache given by HF_HOME) and a wrong type. Each prints exactly one line and

@@ -30,6 +30,7 @@ def test_every_recipe_parses_against_the_signatures_it_names(recipe):
     assert cli.datamodule.seq_len >= 512
 
 
+@pytest.mark.slow
 def test_fit_writes_summary_head_map_and_a_model_that_reloads(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     code, out, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path)], capsys)
     assert code == 0, err
@@ -43,7 +44,7 @@ def test_fit_writes_summary_head_map_and_a_model_that_reloads(tiny_model_dir, ti
     assert summary["total_heads"] == 8 and summary["replaced_heads"] == 4  # beta 0.5 of 4 KV groups
     assert summary["cache_bytes_per_token_converted"] == summary["cache_bytes_per_token_original"] / 2
     assert summary["train_tokens"] == 2 * 2 * 32
-    assert "ppl_original" in out  # printed too
+    assert "rfkit fit: done" in out and f"{summary['ppl_ratio']:.3f}" in out  # the end screen shows the ratio too
     run = summary_path.parent
     assert (run / "config.yaml").exists()  # the resolved recipe next to the logs
     head_map = json.loads((run / "head_map.json").read_text())
@@ -53,6 +54,7 @@ def test_fit_writes_summary_head_map_and_a_model_that_reloads(tiny_model_dir, ti
     assert sum(len(s) for s in model.config.rf_selected) == 4
 
 
+@pytest.mark.slow
 def test_profile_and_convert_subcommands(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     args = tiny_args(tiny_model_dir, tiny_corpus, tmp_path)
     code, out, err = run_cli(["profile", *args, "--output", str(tmp_path / "hm.json")], capsys)
@@ -69,6 +71,7 @@ def test_profile_and_convert_subcommands(tiny_model_dir, tiny_corpus, tmp_path, 
     assert converted(ids).logits.shape == (1, 16, converted.config.vocab_size)
 
 
+@pytest.mark.slow
 def test_custom_policy_from_the_working_directory_drives_a_conversion(
     tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch
 ):
@@ -102,6 +105,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, field", BAD, ids=[b[1] + ":" + b[0][-1] for b in BAD])
 def test_bad_recipe_values_get_one_line_and_exit_2(extra, field, capsys, monkeypatch):
     import rfkit.conversion.convert
@@ -133,6 +137,7 @@ def test_unknown_attention_layout_is_refused_before_loading(tmp_path, capsys):
     assert code == 2 and "model.base_model" in err and "gpt2" in err and "llama" in err
 
 
+@pytest.mark.slow
 def test_console_script_exit_code_and_single_line(tmp_path):
     exe = Path(sys.executable).with_name("rfkit")
     proc = subprocess.run(
@@ -149,6 +154,7 @@ def test_tidy_parse_error_keeps_the_field():
     assert tidy_parse_error(msg) == "model.policy: class 'x.Y' cannot be used: No module named 'x'"
 
 
+@pytest.mark.slow
 def test_validate_subcommand_converts_and_reports_perplexity(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     code, out, err = run_cli(["validate", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path)], capsys)
     assert code == 0, err
@@ -188,6 +194,7 @@ def test_a_plugin_that_fails_to_import_is_named(monkeypatch, capsys):
     )
 
 
+@pytest.mark.slow
 def test_a_head_map_for_another_model_is_a_one_line_error(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     wrong = {"model": "other", "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "window": 4, "alpha": 0.5,
              "beta": 0.5, "exclude_first_token": True, "seq_len": 32, "samples": 4, "rai": [], "rr_mean": [],

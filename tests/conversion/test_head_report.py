@@ -71,6 +71,7 @@ def reference(model, ids):
     return [a.double() for a in out.attentions], {k: x.double() for k, x in v.items()}
 
 
+@pytest.mark.slow
 def test_report_files_are_valid_pngs_json_and_markdown(model, head_map, ids, tmp_path):
     plt = pytest.importorskip("matplotlib.pyplot")
     paths = write_head_report(model, head_map, batches_of(ids), tmp_path, max_samples=3, progress=False, map_tokens=16, chunk=7)

@@ -224,6 +224,7 @@ def test_from_head_map_reads_file_urls(tmp_path, monkeypatch):
 # -- through the CLI -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_missing_head_map_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
@@ -241,6 +242,7 @@ def test_missing_head_map_is_one_line_before_any_model_loads(tmp_path, capsys, m
     assert code == 2 and len(error_lines(err)) == 1 and "is not a head map: not JSON" in err
 
 
+@pytest.mark.slow
 def test_a_head_map_for_another_model_exits_2_with_one_line(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     wrong = tmp_path / "big.json"
     layout = AttentionLayout("llama", 30, 9, 3, 64, 576)
@@ -255,6 +257,7 @@ def test_a_head_map_for_another_model_exits_2_with_one_line(tiny_model_dir, tiny
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
     args = tiny_args(tiny_model_dir, tiny_corpus, tmp_path)
     made = tmp_path / "made"
@@ -300,6 +303,7 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
     assert converted(torch.randint(0, 100, (1, 8))).logits.shape[:2] == (1, 8)
 
 
+@pytest.mark.slow
 def test_fit_model_card_reports_the_summary(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     code, out, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path)], capsys)
     assert code == 0, err

@@ -193,6 +193,7 @@ def test_jsonl_without_the_text_field_names_the_field(tmp_path):
 # ------------------------------------------------------------------------------ embedded default and caching
 
 
+@pytest.mark.slow
 def test_embedded_source_gives_disjoint_splits_of_full_blocks(embedded_dm):
     dm = embedded_dm
     assert dm.calibration.shape == (64, 512)
@@ -215,6 +216,7 @@ def test_embedded_source_gives_disjoint_splits_of_full_blocks(embedded_dm):
     assert info["documents"] == {name: len(parts[name]) for name in SPLITS}
 
 
+@pytest.mark.slow
 def test_second_setup_uses_the_cache_without_tokenizer_or_text(embedded_dm, monkeypatch):
     path = embedded_dm.cache_path()
     assert path.exists()

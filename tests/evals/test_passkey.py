@@ -95,6 +95,7 @@ def test_aggregation_with_an_oracle_that_only_finds_keys_near_the_question(token
     assert "| 150 | 0.00 | 1.00 | 0.50 |" in table and "overall accuracy: 0.500" in table
 
 
+@pytest.mark.slow
 def test_cli_on_a_tiny_model_writes_the_table_and_json(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "pk.json"
     code, stdout, err = run_cli(

@@ -32,6 +32,7 @@ def tiny_recipe(tiny_model_dir, tiny_corpus, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_dir, tmp_path, capsys):
     out = tmp_path / "cache.json"
     code, stdout, err = run_cli(
@@ -64,6 +65,7 @@ def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_
     assert "| 40 |" in stdout and "cs analytic" in stdout
 
 
+@pytest.mark.slow
 def test_chunked_cache_growth_holds_what_token_by_token_generate_holds(converted_dir):
     model = AutoModelForCausalLM.from_pretrained(str(converted_dir)).eval()
     prompt, new = 5, 9
@@ -90,6 +92,7 @@ def test_max_input_search_brackets_the_budget(monkeypatch):
     assert bench.max_input_length(None, 10, 0, "cpu", start=64)["max_input"] == 0
 
 
+@pytest.mark.slow
 def test_prefill_peak_on_cpu_covers_the_cache():
     from helpers import tiny_model
 
@@ -99,6 +102,7 @@ def test_prefill_peak_on_cpu_covers_the_cache():
     assert peak["peak_bytes"] >= peak["cache_bytes"]
 
 
+@pytest.mark.slow
 def test_speed_bench_rows(converted_dir, tmp_path, capsys):
     out = tmp_path / "speed.json"
     code, stdout, err = run_cli(
@@ -114,6 +118,7 @@ def test_speed_bench_rows(converted_dir, tmp_path, capsys):
     assert "| 48 |" in stdout and "Median of 2 interleaved runs" in stdout
 
 
+@pytest.mark.slow
 def test_cache_bench_from_a_recipe_converts_without_training(tiny_recipe, capsys):
     code, stdout, err = run_cli(
         ["bench", "cache", "--model", str(tiny_recipe), "--lengths", "6", "--prompt-len", "2", "--no-peak"], capsys
@@ -123,6 +128,7 @@ def test_cache_bench_from_a_recipe_converts_without_training(tiny_recipe, capsys
     assert "prefill peak" not in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -213,6 +213,7 @@ def test_tiny_run_writes_results_plot_and_table(tmp_path, capsys):
     assert "| 0.5 |" in out
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smoke_recipe_shows_that_attention_must_stay(tmp_path, capsys):
     import yaml

@@ -23,6 +23,7 @@ def overrides(model_dir, corpus):
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sweep_profiles_once_and_measures_every_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     args = ["sweep", "--config", SMOLLM, "--betas", "1,0,0.5", "--output", str(out_dir), "--cache-length", "64", "--operators", "mamba"]
@@ -50,6 +51,7 @@ def test_sweep_profiles_once_and_measures_every_beta(tiny_model_dir, tiny_corpus
     assert "| 0.5 | 4/8 | 50.0% |" in table and table in out + "\n"
 
 
+@pytest.mark.slow
 def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     args = ["sweep", "--config", SMOLLM, "--betas", "0,0.5", "--output", str(out_dir), "--cache-length", "64", "--fit"]
@@ -87,6 +89,7 @@ def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, 
         (["--trained", "no/such/dir"], "--trained: 'no/such/dir' is not a converted model directory"),
     ],
 )
+@pytest.mark.slow
 def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
     import rfkit.conversion.convert
 
@@ -107,6 +110,7 @@ def test_sweep_rejects_a_missing_recipe(tmp_path, capsys):
     assert code == 2 and "--config" in err and "does not exist" in err
 
 
+@pytest.mark.slow
 def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     args = [
@@ -143,6 +147,7 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpus, converted_dir, tmp_path, capsys):
     """--trained rows come from saved converted models; --long measures every row (and the
     original) on a second set of longer blocks, with ratios to the original's."""

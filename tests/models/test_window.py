@@ -172,6 +172,7 @@ def test_bad_window_settings_name_the_field(make, field):
         make()
 
 
+@pytest.mark.slow
 def test_recipes_name_window_operators_and_comparison_policies(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     from helpers import run_cli, tiny_args
     from transformers import AutoModelForCausalLM

@@ -124,6 +124,7 @@ def run_ranks(fn, world: int, *args) -> None:
                 p.terminate()
 
 
+@pytest.mark.slow
 def test_profile_heads_in_two_processes_equals_one_process(tmp_path):
     from helpers import tiny_model
 
@@ -158,9 +159,11 @@ def test_profile_heads_in_two_processes_equals_one_process(tmp_path):
 def run_fit(args: list[str], cache: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """``rfkit fit ARGS`` in a fresh interpreter (Lightning's DDP launcher starts rank 1 by
     running the same command again); the whole process group is killed on timeout."""
-    env = dict(os.environ, RFKIT_CACHE=str(cache), PYTHONUNBUFFERED="1")
-    paths = [str(Path(__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
-    env["PYTHONPATH"] = os.pathsep.join(paths)  # for --trainer.strategy test_ddp.CPUFSDPStrategy
+    # verbose: the DDP test reads Lightning's "GLOBAL_RANK: 1" info line, which rfkit hides by default
+    env = dict(os.environ, RFKIT_CACHE=str(cache), PYTHONUNBUFFERED="1", RFKIT_VERBOSE="1")
+    # this directory for --trainer.strategy test_ddp.CPUFSDPStrategy, tests/ for fault_callbacks
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)  # a fresh launch, never a worker of some outer job
     proc = subprocess.Popen(
@@ -216,6 +219,7 @@ def check_distributed_run(run: dict, single: dict) -> None:
     assert run["summary"]["replaced_heads"] == single["summary"]["replaced_heads"] == 4
 
 
+@pytest.mark.slow
 def test_fit_under_ddp_writes_one_summary_counting_both_ranks(single_run, tiny_model_dir, tiny_corpus, tmp_path):
     """Also with a freeze schedule that unfreezes LoRA adapters at step 2: they are all-reduced
     like the rest, so the ranks stay identical. DDP only reduces gradients of parameters that
@@ -252,6 +256,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         return model
 
 
+@pytest.mark.slow
 def test_fit_under_fsdp_saves_the_gathered_model(single_run, tiny_model_dir, tiny_corpus, tmp_path, monkeypatch):
     """FSDP with the 7B recipes' settings (decoder-layer wrapping and activation checkpointing,
     full sharding), on 2 CPU processes: the summary gathers the sharded weights (LoRA merged)

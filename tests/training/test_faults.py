@@ -81,6 +81,7 @@ def uninterrupted(tiny_model_dir, tiny_corpus, tmp_path_factory):
     return {"root": base / "run", "losses": losses(base / "losses.jsonl"), "summary": summary(base / "run"), "cache": base / "cache"}
 
 
+@pytest.mark.slow
 def test_kill_9_mid_training_then_ckpt_path_last_resumes_to_the_same_result(uninterrupted, tiny_model_dir, tiny_corpus, tmp_path):
     root, marker, lost = tmp_path / "run", tmp_path / "hung", tmp_path / "losses.jsonl"
     hang = ["--trainer.callbacks+=fault_callbacks.HangAt", "--trainer.callbacks.step", str(KILL_AT), "--trainer.callbacks.marker", str(marker)]
@@ -129,6 +130,7 @@ def test_kill_9_mid_training_then_ckpt_path_last_resumes_to_the_same_result(unin
     assert got["wall_seconds"] > meta["wall_seconds"]  # the killed run's time counts too
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_head_map_and_losses(uninterrupted, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))  # profiled afresh, not read from the other run's cache
     code, _, err = run_cli(fit_args(tiny_model_dir, tiny_corpus, tmp_path / "again", *record(tmp_path / "l.jsonl")), capsys)
@@ -149,6 +151,7 @@ def test_same_seed_gives_the_same_head_map_and_losses(uninterrupted, tiny_model_
     assert other[1] != pytest.approx(first[1], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     root = tmp_path / "run"
     poison = ["--trainer.callbacks+=fault_callbacks.PoisonAt", "--trainer.callbacks.step", "5"]
@@ -211,6 +214,7 @@ def test_checkpoints_load_with_weights_only(tmp_path):
         read_meta(path)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_operator(uninterrupted, tiny_model_dir, tiny_corpus, tmp_path, capsys):
     ckpt = uninterrupted["root"] / "checkpoints" / "last.ckpt"
     root = tmp_path / "run"
@@ -235,6 +239,7 @@ with atomic_directory(sys.argv[1]) as tmp:
 """
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_directory_leaves_no_target_and_the_next_write_clears_its_leftovers(tmp_path):
     target, marker = tmp_path / "model", tmp_path / "writing"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(target), str(marker)])

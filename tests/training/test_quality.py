@@ -268,6 +268,7 @@ def test_freeze_schedule_stages():
 
 
 # -- through rfkit fit ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_fit_with_transfer_distillation_lora_and_schedule(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -295,6 +296,7 @@ def test_fit_with_transfer_distillation_lora_and_schedule(tiny_model_dir, tiny_c
     assert not any("lora" in n for n, _ in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_fit_rejects_a_shared_teacher_with_trained_shared_weights(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path), "--model.freeze", "none", "--model.distill.kl", "1"]
     code, _, err = run_cli(args, capsys)
@@ -302,6 +304,7 @@ def test_fit_rejects_a_shared_teacher_with_trained_shared_weights(tiny_model_dir
     assert "model.distill.share_modules" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra, field",
     [

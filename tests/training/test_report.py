@@ -3,6 +3,7 @@ phase, and no third-party noise."""
 
 import json
 
+import pytest
 from helpers import run_cli, tiny_args
 
 from rfkit.training.progress import Phases, format_seconds
@@ -11,6 +12,7 @@ from rfkit.training.report import final_screen, summary_table
 WIDTH = 100
 
 
+@pytest.mark.slow
 def test_tiny_fit_ends_with_the_table_the_path_and_the_next_commands(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", str(WIDTH))

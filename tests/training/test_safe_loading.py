@@ -7,6 +7,7 @@ import inspect
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import RECIPES, SMOLLM, run_cli, tiny_args
 from safetensors.torch import load_file
@@ -40,6 +41,7 @@ def test_every_torch_load_passes_weights_only_true():
         assert isinstance(value, ast.Constant) and value.value is True, f"{path.name}:{node.lineno}"
 
 
+@pytest.mark.slow
 def test_every_model_load_asks_for_safetensors():
     """Weights come from safetensors files (or the embedded GGUF, which is not pickle)."""
     found = [
@@ -53,6 +55,7 @@ def test_every_model_load_asks_for_safetensors():
         assert (isinstance(safe, ast.Constant) and safe.value is True) or gguf is not None, f"{path.name}:{node.lineno}"
 
 
+@pytest.mark.slow
 def test_a_model_with_only_pickle_weights_is_refused_in_one_line(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     pickled = tmp_path / "pickled-llama"
     pickled.mkdir()
@@ -83,6 +86,7 @@ def test_trust_remote_code_is_off_by_default_and_settable_in_a_recipe(tmp_path):
     assert cli.model.trust_remote_code is True
 
 
+@pytest.mark.slow
 def test_a_model_that_needs_remote_code_is_refused_without_the_flag(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     custom = tmp_path / "custom-model"
     custom.mkdir()
