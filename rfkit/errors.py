@@ -22,3 +22,19 @@ class DiskFullError(RFKitError, OSError):
 
     def __str__(self) -> str:  # the message alone, not OSError's "[Errno 28] ..." form
         return str(self.args[0]) if self.args else ""
+
+
+class ParseError(SystemExit):
+    """A recipe or command line that does not parse; the message is one line naming the field.
+
+    A SystemExit (code 2), not an RFKitError: jsonargparse catches ValueError and TypeError while
+    it tries the other types of a union, and a parse error must pass through that untouched.
+    :mod:`rfkit.cli` prints it. Raised by ``rfkit.config.lightning_cli.RFArgumentParser``.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

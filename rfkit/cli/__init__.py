@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from rfkit.errors import RFKitError, one_line
+from rfkit.errors import ParseError, RFKitError, one_line
 from rfkit.output import configure_output
 
 PLUGIN_GROUP = "rfkit.plugins"
@@ -145,9 +145,8 @@ def main(args: list[str] | None = None) -> None:
         if command.plugins:
             load_plugins()
         code = command.load()(argv if command.lightning else argv[1:])
-    except SystemExit as err:  # a parse error (rfkit.config.lightning_cli.ParseError) or a plain exit
-        if hasattr(err, "message"):
-            sys.stderr.write(f"{prog}: error: {err.message}\n")
+    except ParseError as err:  # a SystemExit: jsonargparse must not catch it (see rfkit.errors)
+        sys.stderr.write(f"{prog}: error: {err.message}\n")
         raise
     except Exception as err:
         described = describe_error(err, argv)

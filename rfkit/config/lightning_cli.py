@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from rfkit.config.parse_errors import PARSE_ARGS, tidy_parse_error
-from rfkit.errors import one_line
+from rfkit.errors import ParseError, one_line
 from rfkit.output import quiet_lightning
 
 log = logging.getLogger("rfkit")
@@ -36,22 +36,6 @@ PRIVATE_API = {
     "lightning.pytorch.cli.LightningCLI._parser": ("self", "subcommand"),
     "lightning.pytorch.cli.LightningCLI._parse_ckpt_path": ("self",),
 }
-
-
-class ParseError(SystemExit):
-    """A recipe or command line that does not parse; the message is one line naming the field.
-
-    A SystemExit (code 2), not an RFKitError: jsonargparse catches ValueError and TypeError while
-    it tries the other types of a union, and a parse error must pass through that untouched.
-    :mod:`rfkit.cli` prints it.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class RFArgumentParser(LightningArgumentParser):

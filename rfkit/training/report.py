@@ -26,7 +26,7 @@ def shown_path(path: str | Path) -> str:
 def _number(value, digits: int = 2) -> str:
     if value is None:
         return "-"
-    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 100:
+    if isinstance(value, int) or (float(value).is_integer() and abs(value) >= 100):  # counts, bytes
         return f"{int(value):,}"
     return f"{value:,.{digits}f}"
 
