@@ -173,7 +173,7 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
         has_map = (path / "head_map.json").exists()
         base = HeadMap.load(path / "head_map.json").model if has_map else str(path)
         if original and has_map:
-            model = load_base_model(base, DTYPE_NAMES.get(_dir_dtype(path), "float32"))
+            model = load_base_model(base, DTYPE_NAMES.get(dir_dtype(path), "float32"))
             converted = False
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True)
@@ -196,7 +196,7 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
     return LoadedModel(model, tokenizer, name, base, converted, notes)
 
 
-def _dir_dtype(path: Path):
+def dir_dtype(path: Path):
     """The weight dtype a saved model directory declares (float32 when it does not say)."""
     try:
         config = json.loads((path / "config.json").read_text())

@@ -134,7 +134,7 @@ def policy(text: str, defaults: dict | None = None):
     return build(text, HeadSelectionPolicy, POLICY_ALIASES, "--policies", defaults)
 
 
-def operator(text: str):
+def operator(text: str, flag: str = "--operators"):
     from rfkit.models.operators import ReplacementOperator
 
-    return build(text, ReplacementOperator, OPERATOR_ALIASES, "--operators")
+    return build(text, ReplacementOperator, OPERATOR_ALIASES, flag)

@@ -39,6 +39,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) 
         )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    parser.add_argument(
+        "--no-record", action="store_true",
+        help="do not add the results to a converted model directory's card (README.md, evaluations.json)",
+    )  # fmt: skip
 
 
 def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
@@ -96,3 +100,20 @@ def write_json(path: str | Path | None, obj) -> None:
     if path is not None:
         atomic_write_json(path, obj)
         log.info("results -> %s", path)
+
+
+def add_to_card(args, key: str, title: str, values: dict, formats: dict | None = None) -> None:
+    """This run's ``{measure: value}`` added to the card of the converted model directory it
+    measured (:mod:`rfkit.conversion.evaluations`), in the column "original" with
+    ``--original``, else "converted"; nothing for a recipe or with ``--no-record``."""
+    import sys
+
+    from rfkit.conversion.evaluations import add_to_model
+
+    if getattr(args, "no_record", False):
+        return
+    side = "original" if getattr(args, "original", False) else "converted"
+    rows = {measure: {side: value} for measure, value in values.items()}
+    card = add_to_model(args.model, key, title, rows, getattr(args, "command_line", None), formats)
+    if card is not None:
+        print(f"added to the model card: {card}", file=sys.stderr)

@@ -21,7 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, greedy_generate, write_json
+from rfkit.evals.common import (
+    EvalError,
+    add_model_arguments,
+    add_to_card,
+    check_model_arguments,
+    greedy_generate,
+    write_json,
+)
 
 # the fine-tuning data module keeps the class_path shipped recipes and saved configs name:
 # rfkit.evals.hashhop.HashHopDataModule
@@ -214,5 +221,10 @@ def run(args) -> int:
         "samples": result["samples"],
     }
     write_json(args.json_out, out)
+    where = f"samples of {args.data}" if args.data else f"{args.hops} hops, {args.chars} characters, seed {args.seed}"
+    add_to_card(
+        args, f"hashhop {where} n={result['n']} max_new_tokens={result['max_new_tokens']}",
+        f"HashHop ({result['n']} {where}), h_gq", {"h_gq": result["h_gq"]}, {"h_gq": ".3f"},
+    )  # fmt: skip
     sys.stdout.write(f"hashhop: h_gq {result['h_gq']:.4f} over {result['n']} samples, model {loaded.name} ({wall:.1f} s)\n")
     return 0

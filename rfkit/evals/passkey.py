@@ -25,6 +25,7 @@ from rfkit.config.args import parse_depths, parse_lengths
 from rfkit.evals.common import (
     EvalError,
     add_model_arguments,
+    add_to_card,
     check_model_arguments,
     greedy_generate,
     positive_int,
@@ -246,4 +247,11 @@ def run(args) -> int:
     print(f"passkey retrieval: {loaded.name}")
     print(format_table(result))
     write_json(args.json_out, result)
+    depths = ", ".join(f"{d:g}" for d in args.depth_list)
+    add_to_card(
+        args, f"passkey depths={depths} trials={args.trials} seed={args.seed} new_tokens={args.new_tokens}",
+        f"Passkey retrieval (depths {depths}; {args.trials} key{'s' * (args.trials > 1)} per depth, seed {args.seed})",
+        {f"accuracy, {row['length']:,} tokens": row["accuracy"] for row in result["by_length"]},
+        {f"accuracy, {n:,} tokens": ".2f" for n in args.length_list},
+    )  # fmt: skip
     return 0

@@ -39,13 +39,21 @@ from 4 of the held-out works, and ``--block-size 8192`` all 28 blocks of the 6 w
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int, write_json
+from rfkit.evals.common import (
+    EvalError,
+    add_model_arguments,
+    add_to_card,
+    check_model_arguments,
+    positive_int,
+    write_json,
+)
 
 MODES = ("blocks", "sliding")
 
@@ -311,4 +319,11 @@ def run(args) -> int:
         f"{result['documents']} documents{extra}"
     )
     write_json(args.json_out, result)
+    shown = {k: v for k, v in settings.items() if k not in ("batch_size", "text_field", "hf_split", "hf_max_documents")}
+    what = f"{result['blocks']} blocks" if args.mode == "blocks" else f"stride {args.stride}"
+    add_to_card(
+        args, "ppl " + json.dumps({"mode": args.mode, **shown}, sort_keys=True, default=str),
+        f"Perplexity, {settings['source']}, {args.mode} of {settings['block_size']:,} tokens ({what})",
+        {"perplexity": result["ppl"]}, {"perplexity": ".3f"},
+    )  # fmt: skip
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import shlex
 
 from rfkit.evals.common import EvalError, EvalParser
 
@@ -16,6 +17,7 @@ from rfkit.evals.common import EvalError, EvalParser
 EVAL_TASKS = {
     "hashhop": "rfkit.evals.hashhop",
     "passkey": "rfkit.evals.passkey",
+    "context": "rfkit.evals.context",
     "ppl": "rfkit.evals.ppl",
     "mqar": "rfkit.experiments.mqar",
     "lm-eval": "rfkit.evals.lm_eval",
@@ -55,6 +57,7 @@ def run_eval(argv: list[str]) -> int:
     parser = EvalParser(prog=f"rfkit eval {name}", description=(module.__doc__ or "").strip().splitlines()[0])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    args.command_line = "rfkit eval " + shlex.join(argv)  # what the model card credits
     module.validate(args)
     return module.run(args)
 

@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import gc
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ import torch
 from rfkit.config.args import OneLineParser, parse_bytes, parse_lengths
 from rfkit.config.loading import DTYPE_NAMES, check_output_file, converted_from_recipe, torch_device
 from rfkit.config.loading import check_model_spec as _check_spec
+from rfkit.conversion.evaluations import add_to_model
 from rfkit.errors import RFKitError
 from rfkit.validate import POSITIVE_INTEGER, positive_int
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", dest="json_out", help="also write the rows as JSON to this file")
     common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     common.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    common.add_argument("--no-record", action="store_true", help="do not add the results to a converted model directory's card")
 
     cache = sub.add_parser("cache", parents=[common], help="cache bytes after l_g generated tokens (paper Tables 2, 4)")
     cache.add_argument("--lengths", default="1024,10240,61440", help="generated lengths l_g, comma separated")
@@ -471,4 +474,35 @@ def main(argv: list[str]) -> int:
     if args.json_out:
         atomic_write_json(args.json_out, result)
         print(f"\nJSON: {args.json_out}", file=sys.stderr)
+    if not args.no_record:
+        key, title, rows, formats = card_record(result)
+        card = add_to_model(args.model, key, title, rows, "rfkit bench " + shlex.join(argv), formats)
+        if card is not None:
+            print(f"added to the model card: {card}", file=sys.stderr)
     return 0
+
+
+def card_record(result: dict) -> tuple[str, str, dict, dict]:
+    """``(key, title, rows, formats)`` of a bench result for the model card
+    (:func:`rfkit.conversion.evaluations.record`): both models' numbers per length or context."""
+    rows, formats = {}, {}
+    if result["kind"] == "cache":
+        prompt = result["rows"][0]["prompt_len"] if result["rows"] else 0
+        key = f"bench cache prompt_len={prompt} device={result['device']}"
+        title = f"KV cache bytes held after a {prompt}-token prompt and l_g generated tokens (rfkit bench cache)"
+        for r in result["rows"]:
+            measure = f"cache bytes, l_g {r['l_g']:,}"
+            rows[measure] = {name: r[f"cache_bytes_{name}"] for name in ("original", "converted")}
+            formats[measure] = ",.0f"
+        return key, title, rows, formats
+    key = f"bench speed runs={result['runs']} decode_tokens={result['decode_tokens']} device={result['device']} threads={result['threads']}"
+    title = (
+        f"Tokens per second, median of {result['runs']} runs on {result['device']} "
+        f"({result['threads']} threads; rfkit bench speed)"
+    )
+    for r in result["rows"]:
+        for phase in ("prefill", "decode"):
+            measure = f"{phase} tokens/s, {r['context']:,}-token context"
+            rows[measure] = {name: r[f"{phase}_tps_{name}"] for name in ("original", "converted")}
+            formats[measure] = ".2f"
+    return key, title, rows, formats

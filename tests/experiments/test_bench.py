@@ -6,6 +6,7 @@ Timings are not asserted (benchmarks, not timed tests); the cache bytes are, exa
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import yaml
 from helpers import SMOLLM, run_cli
 from transformers import AutoModelForCausalLM
 
+from rfkit.conversion import evaluations
 from rfkit.conversion.headmap import HeadMap
 from rfkit.experiments import bench
 from rfkit.models.cache import cache_bytes
@@ -35,8 +37,10 @@ def tiny_recipe(tiny_model_dir, tiny_corpus, tmp_path_factory):
 @pytest.mark.slow
 def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_dir, tmp_path, capsys):
     out = tmp_path / "cache.json"
+    model_dir = tmp_path / "model"  # a copy: the bench adds its numbers to the model's card
+    shutil.copytree(converted_dir, model_dir)
     code, stdout, err = run_cli(
-        ["bench", "cache", "--model", str(converted_dir), "--lengths", "8,40", "--prompt-len", "4", "--chunk", "7",
+        ["bench", "cache", "--model", str(model_dir), "--lengths", "8,40", "--prompt-len", "4", "--chunk", "7",
          "--json", str(out)], capsys)  # fmt: skip
     assert code == 0, err
     result = json.loads(out.read_text())
@@ -63,6 +67,12 @@ def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_
         assert row["prefill_peak_bytes_original"] >= 0 and "RSS" in row["peak_method"]
     assert result["kept_kv_fraction"] == kept_kv / 4
     assert "| 40 |" in stdout and "cs analytic" in stdout
+    # the card of the measured model now carries both models' bytes, credited to the command
+    (record,) = evaluations.load(model_dir).values()
+    assert record["rows"]["cache bytes, l_g 40"] == {"original": kv_orig * 44, "converted": kv_conv * 44 + state}
+    assert record["commands"]["converted"].startswith(f"rfkit bench cache --model {model_dir} --lengths 8,40")
+    card = (model_dir / "README.md").read_text()
+    assert f"| cache bytes, l_g 40 | {kv_orig * 44:,} | {kv_conv * 44 + state:,} |" in card
 
 
 @pytest.mark.slow
@@ -107,8 +117,9 @@ def test_speed_bench_rows(converted_dir, tmp_path, capsys):
     out = tmp_path / "speed.json"
     code, stdout, err = run_cli(
         ["bench", "speed", "--model", str(converted_dir), "--contexts", "16,48", "--runs", "2",
-         "--decode-tokens", "3", "--json", str(out)], capsys)  # fmt: skip
+         "--decode-tokens", "3", "--json", str(out), "--no-record"], capsys)  # fmt: skip
     assert code == 0, err
+    assert not (converted_dir / evaluations.FILE).exists()  # --no-record: the model directory is left alone
     result = json.loads(out.read_text())
     assert [r["context"] for r in result["rows"]] == [16, 48]
     for row in result["rows"]:

@@ -1,0 +1,262 @@
+"""Quality against context length: long-document perplexity and passkey, per length, for the
+original, a converted model and a training-free streaming baseline at the same cache.
+
+    rfkit eval context --model DIR [--baseline "sink_recent(sink=4,window=64)"]
+                       [--lengths 1024,2048,4096,8192] [--source embedded:shakespeare]
+                       [--tokens 8192] [--depths 0,0.5,1] [--trials 1] [--seed 0]
+                       [--no-passkey] [--output DIR] [--device cpu]
+
+The claim it tests: a recurrent state keeps something a fixed window loses as the context grows.
+All models run in one process on the same blocks and prompts:
+
+- ``original``: the base model named in DIR's head map;
+- ``converted``: DIR itself (``rfkit fit`` / ``rfkit convert`` output);
+- ``converted, state off``: for a hybrid model, the same model with its state's gates closed
+  (:func:`rfkit.models.hybrid.state_off`): its window alone, at the same cache;
+- the ``--baseline`` operator on DIR's head map, training-free (default
+  ``sink_recent(sink=4,window=64)``: 4 sink and 64 recent tokens per replaced head, the bytes of
+  the default hybrid's window + state; ``--baseline none`` leaves it out).
+
+Perplexity: for each length L, ``--tokens // L`` blocks (at least one) of L tokens from the
+held-out documents of ``--source`` (``embedded:shakespeare``: whole plays, so every block is
+one document's running text); each block is one forward pass. Passkey
+(:mod:`rfkit.evals.passkey`): a key hidden at each of ``--depths`` in prompts of each length,
+``--trials`` keys per depth. Cache bytes at each length are the analytic K/V bytes per token
+times L plus the constant state (``rfkit bench cache`` measures the same within 0.1%).
+
+Writes ``context.json``, ``context.md`` and ``context.png`` (perplexity ratio and passkey
+accuracy against length, one line per model) to ``--output`` (default ``runs/context_<name of
+DIR>``) and adds the table to DIR's model card (unless ``--no-record``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+from rfkit.config.args import parse_depths, parse_lengths
+from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int
+
+DEFAULT_BASELINE = "sink_recent(sink=4,window=64)"
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser, original=False)
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="training-free operator on the same head map, or none")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths in tokens, comma separated")
+    parser.add_argument("--source", default="embedded:shakespeare", help="long documents whose held-out part is scored")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens scored per length: tokens // length blocks (at least 1)")
+    parser.add_argument("--depths", default="0,0.5,1", help="passkey depths in [0, 1], comma separated")
+    parser.add_argument("--trials", type=int, default=1, help="passkey keys per (length, depth)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the passkey keys")
+    parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    parser.add_argument("--output", default=None, help="output directory (default runs/context_<model dir name>)")
+
+
+def validate(args) -> None:
+    """Every check that needs no weights."""
+    from rfkit.config.loading import check_model_spec
+
+    if check_model_spec(args.model, require_converted=True) != "directory":
+        raise EvalError(f"--model: '{args.model}' is a recipe; give a converted model directory (rfkit fit's model/)")
+    args.length_list = parse_lengths(args.lengths, "--lengths", example="1024,2048", error=EvalError)
+    if min(args.length_list) < 2:  # a 1-token block has no next token to score
+        raise EvalError(f"--lengths: blocks need at least 2 tokens, got {min(args.length_list)}")
+    args.depth_list = parse_depths(args.depths, "--depths", error=EvalError)
+    positive_int(args, "tokens")
+    positive_int(args, "trials")
+    check_model_arguments(args, args.length_list)
+    args.baseline_operator = None
+    if args.baseline.strip().lower() != "none":
+        from rfkit.conversion import registry
+
+        args.baseline_operator = registry.operator(args.baseline, "--baseline")  # a bad spec: one line
+        if args.baseline_operator.trainable:
+            raise EvalError(f"--baseline: '{args.baseline}' has weights to train; give a training-free operator such as {DEFAULT_BASELINE}")
+    from rfkit.data import TextDataModule
+    from rfkit.hub import SourceError
+
+    try:
+        TextDataModule(source=args.source)  # checks the source's name, no data read
+    except SourceError as err:
+        raise EvalError(f"--source: {str(err).removeprefix('data.source: ')}") from None
+    if not args.no_passkey:
+        from rfkit.evals.passkey import _spec_tokenizer, template_tokens
+
+        need = template_tokens(_spec_tokenizer(args.model))
+        if min(args.length_list) < need:
+            raise EvalError(
+                f"--lengths: {min(args.length_list)} tokens cannot hold the passkey template ({need} tokens); "
+                "give longer lengths or --no-passkey"
+            )
+    out = Path(args.output or f"runs/context_{Path(args.model).resolve().name}")
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--output: '{out}' exists and is not a directory")
+    args.output_dir = out
+
+
+def _blocks(source: str, tokenizer: str, lengths: list[int], tokens: int) -> dict[int, list]:
+    from rfkit.experiments.sweep import long_sets
+
+    return {n: next(iter(long_sets(source, tokenizer, [n], max(1, tokens // n)).values())) for n in lengths}
+
+
+def _models(args, loaded, head_map):
+    """``[(name, model, gates_closed)]``: the models measured, each built once."""
+    from rfkit.config.loading import DTYPE_NAMES, dir_dtype
+    from rfkit.conversion.convert import convert, load_base_model
+    from rfkit.models.hybrid import HybridWindowAttention
+
+    dtype = DTYPE_NAMES.get(dir_dtype(Path(args.model)), "float32")
+    original = load_base_model(head_map.model, dtype).to(args.torch_device).eval()
+    models = [("original", original, False), ("converted", loaded.model, False)]
+    if any(isinstance(m, HybridWindowAttention) for m in loaded.model.modules()):
+        models.append(("converted, state off", loaded.model, True))
+    if args.baseline_operator is not None:
+        baseline = convert(copy.deepcopy(original), head_map, args.baseline_operator).to(args.torch_device).eval()
+        models.append((f"{args.baseline.replace(' ', '')}, training-free", baseline, False))  # the spec as given
+    return models
+
+
+def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
+    """Perplexity per length, passkey accuracy per length and the analytic cache of one model."""
+    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.evals.passkey import evaluate_passkey
+    from rfkit.experiments.bench import analytic_cache
+
+    ppl = {n: evaluate_perplexity(model, batches, desc=f"perplexity ({name}, {n})") for n, batches in blocks.items()}
+    passkey = {}
+    if not args.no_passkey:
+        result = evaluate_passkey(model, tokenizer, args.length_list, args.depth_list, args.trials, args.seed)
+        passkey = {row["length"]: row["accuracy"] for row in result["by_length"]}
+    cache = analytic_cache(model)
+    return {
+        "ppl": ppl,
+        "passkey": passkey,
+        "kv_bytes_per_token": cache["kv_bytes_per_token"],
+        "state_bytes": cache["state_bytes"],
+        "cache_bytes": {n: cache["kv_bytes_per_token"] * n + cache["state_bytes"] for n in args.length_list},
+    }
+
+
+def run(args) -> int:
+    from rfkit.config.loading import load_model
+    from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+    from rfkit.models.hybrid import state_off
+
+    start = time.time()
+    loaded = load_model(args.model, device=args.torch_device)
+    head_map = HeadMap.load(Path(args.model) / "head_map.json")
+    blocks = _blocks(args.source, head_map.model, args.length_list, args.tokens)
+    rows = {}
+    for name, model, closed in _models(args, loaded, head_map):
+        t0 = time.time()
+        if closed:
+            with state_off(model):
+                rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
+        else:
+            rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
+        rows[name]["seconds"] = round(time.time() - t0, 1)
+    first = rows["original"]
+    for row in rows.values():
+        row["ppl_ratio"] = {n: row["ppl"][n] / first["ppl"][n] for n in args.length_list}
+        row["cache_ratio"] = {n: row["cache_bytes"][n] / first["cache_bytes"][n] for n in args.length_list}
+    result = {
+        "task": "context",
+        "model": args.model,
+        "base_model": head_map.model,
+        "beta": head_map.beta,
+        "source": args.source,
+        "lengths": args.length_list,
+        "tokens": args.tokens,
+        "blocks": {n: len(b) for n, b in blocks.items()},
+        "passkey": None if args.no_passkey else {"depths": args.depth_list, "trials": args.trials, "seed": args.seed},
+        "device": str(args.torch_device),
+        "rows": rows,
+        "wall_seconds": round(time.time() - start, 1),
+    }
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "context.json", result)
+    table = markdown(result)
+    atomic_write_text(out / "context.md", table + "\n")
+    plot(result, out / "context.png")
+    print(table)
+    print(f"\ncontext.json, context.md, context.png -> {out}")
+    _record(args, result)
+    return 0
+
+
+def _record(args, result: dict) -> None:
+    import sys
+
+    from rfkit.conversion.evaluations import add_to_model
+
+    if args.no_record:
+        return
+    rows, formats = {}, {}
+    for n in result["lengths"]:
+        label = f"perplexity, {n:,} tokens"
+        rows[label] = {name: row["ppl"][n] for name, row in result["rows"].items()}
+        formats[label] = ".3f"
+        if result["passkey"]:
+            label = f"passkey accuracy, {n:,} tokens"
+            rows[label] = {name: row["passkey"][n] for name, row in result["rows"].items()}
+            formats[label] = ".2f"
+    settings = f"{result['source']} tokens={result['tokens']} passkey={result['passkey']}"
+    title = f"Quality against context length ({result['source']}, {result['tokens']:,} tokens per length; rfkit eval context)"
+    card = add_to_model(args.model, f"context {settings}", title, rows, getattr(args, "command_line", None), formats)
+    if card is not None:
+        print(f"added to the model card: {card}", file=sys.stderr)
+
+
+def markdown(result: dict) -> str:
+    lengths = result["lengths"]
+    longest = lengths[-1] if lengths == sorted(lengths) else max(lengths)
+    passkey = bool(result["passkey"])
+    blocks = ", ".join(f"{result['blocks'][n]} x {n:,}" for n in lengths)
+    lines = [
+        f"Quality against context length: {result['model']} (beta {result['beta']:g}) on held-out "
+        f"{result['source']} blocks ({blocks} tokens)"
+        + (f"; passkey at depths {', '.join(f'{d:g}' for d in result['passkey']['depths'])}, "
+           f"{result['passkey']['trials']} key(s) each" if passkey else "") + ".",
+        "",
+        f"| model | cache bytes at {longest:,} | cache ratio |" + "".join(f" PPL ratio {n:,} |" for n in lengths)
+        + ("".join(f" passkey {n:,} |" for n in lengths) if passkey else ""),
+        "|---|---:|---:|" + "---:|" * len(lengths) * (1 + passkey),
+    ]  # fmt: skip
+    for name, row in result["rows"].items():
+        cells = [f"{row['cache_bytes'][longest]:,}", f"{row['cache_ratio'][longest]:.3f}"]
+        cells += [f"{row['ppl_ratio'][n]:.3f}" for n in lengths]
+        if passkey:
+            cells += [f"{row['passkey'][n]:.2f}" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first = result["rows"]["original"]["ppl"]
+    lines.append("")
+    lines.append("Original perplexity: " + ", ".join(f"{first[n]:.2f} at {n:,}" for n in lengths) + ".")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Perplexity ratio (and passkey accuracy) against context length, one line per model."""
+    from rfkit.plots import pyplot, save_figure
+
+    plt = pyplot()
+    panels = [("ppl_ratio", "perplexity ratio (model / original)")]
+    if result["passkey"]:
+        panels.append(("passkey", "passkey accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
+    lengths = result["lengths"]
+    for ax, (key, label) in zip(axes[0], panels):
+        for i, (name, row) in enumerate(result["rows"].items()):
+            ax.plot(lengths, [row[key][n] for n in lengths], marker="os^Dv"[i % 5], label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_title(f"{Path(result['model']).name} (beta {result['beta']:g}), {result['source']}", fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
