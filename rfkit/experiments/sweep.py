@@ -55,6 +55,7 @@ import copy
 import inspect
 import json
 import logging
+import shlex
 import time
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--long-lengths", default="2048,8192", help="block lengths (tokens) for --long, comma-separated")
     parser.add_argument("--long-blocks", type=int, default=8, help="validation blocks per length for --long")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--no-record", action="store_true", help="do not add the results to the --trained models' cards")
     return parser
 
 
@@ -490,4 +492,35 @@ def main(argv: list[str]) -> int:
     plot(result, out / "sweep.png")
     print(table)
     print(f"\nsweep.json, sweep.md, sweep.png -> {out}")
+    if not args.no_record:
+        record_trained(result, "rfkit sweep " + shlex.join(argv))
     return 0
+
+
+def record_trained(result: dict, command: str) -> None:
+    """Each ``--trained`` model's card gets its rows beside the original and the training-free
+    rows at its beta (:mod:`rfkit.conversion.evaluations`): the matched-cache comparison."""
+    from rfkit.conversion.evaluations import add_to_model
+
+    length = result["cache_length"]
+    sets = {"ppl": f"perplexity, {result['val_blocks']} validation blocks of {result['seq_len']:,}"}
+    sets.update({name: f"perplexity, {result['long']['blocks'][name]} blocks {name}" for name in result["original"].get("long_ppl", {})})
+    measures = {**sets, "cache": f"cache bytes per token after {length:,} tokens"}
+
+    def cells(row: dict) -> dict:
+        values = {key: row["ppl"] if key == "ppl" else row["long_ppl"][key] for key in sets}
+        return {**values, "cache": row["cache_bytes"] / length}
+
+    for path in dict.fromkeys(r["model"] for r in result["rows"] if r.get("model")):
+        mine = [r for r in result["rows"] if r.get("model") == path]
+        columns = {"original": cells(result["original"])}
+        for r in mine:
+            columns["converted, state off" if r["operator"].endswith("state off") else "converted"] = cells(r)
+        for r in result["rows"]:
+            if not r.get("trained") and r["beta"] == mine[0]["beta"] and r["replaced_heads"]:
+                columns[f"{r['operator']}, training-free"] = cells(r)
+        rows = {measures[key]: {column: values[key] for column, values in columns.items()} for key in measures}
+        formats = {label: (",.0f" if key == "cache" else ".3f") for key, label in measures.items()}
+        key = f"sweep {Path(result['recipe']).name} val_blocks={result['val_blocks']} cache_length={length} long={result['long']}"
+        title = f"Against training-free operators at the same beta ({mine[0]['beta']:g}; rfkit sweep)"
+        add_to_model(path, key, title, rows, command, formats)

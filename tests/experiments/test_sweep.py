@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from helpers import run_cli  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
+
+from rfkit.conversion import evaluations
 
 SMOLLM = "recipes/smollm2_b05.yaml"
 
@@ -152,9 +155,11 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
     """--trained rows come from saved converted models; --long measures every row (and the
     original) on a second set of longer blocks, with ratios to the original's."""
     out_dir = tmp_path / "sweep"
+    model_dir = tmp_path / "model"  # a copy: the sweep adds the comparison to the trained model's card
+    shutil.copytree(converted_dir, model_dir)
     args = [
         "sweep", "--config", SMOLLM, "--betas", "0.5", "--output", str(out_dir), "--cache-length", "64",
-        "--operators", "sink_recent(sink=4,window=16)", "--trained", str(converted_dir),
+        "--operators", "sink_recent(sink=4,window=16)", "--trained", str(model_dir),
         "--long", str(tiny_corpus), "--long-lengths", "64,96", "--long-blocks", "2",
     ]  # fmt: skip
     code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
@@ -166,7 +171,7 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
     window, trained, off = result["rows"]
     assert window["operator"] == "sink_recent(sink=4,window=16)" and not window["trained"]
     head_map = json.loads((converted_dir / "head_map.json").read_text())
-    assert trained["trained"] and trained["model"] == str(converted_dir) and trained["beta"] == head_map["beta"]
+    assert trained["trained"] and trained["model"] == str(model_dir) and trained["beta"] == head_map["beta"]
     assert trained["operator"].startswith("hybrid") and trained["operator"].endswith(" trained")
     # the recipe's model is a hybrid: a second row closes its state's gates, same cache
     assert off["operator"] == trained["operator"] + ", state off" and off["cache_bytes"] == trained["cache_bytes"]
@@ -190,3 +195,13 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
     table = (out_dir / "sweep.md").read_text()
     assert f"PPL ratio {name}@64 | PPL ratio {name}@96 |" in table and "trained |" in table
     assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the trained model's card: its two rows beside the original and the training-free one at its beta
+    (entry,) = evaluations.load(model_dir).values()
+    cells = entry["rows"][f"perplexity, 2 blocks {name}@96"]
+    assert cells == {
+        "original": result["original"]["long_ppl"][f"{name}@96"],
+        "converted": trained["long_ppl"][f"{name}@96"],
+        "converted, state off": off["long_ppl"][f"{name}@96"],
+        "sink_recent(sink=4,window=16), training-free": window["long_ppl"][f"{name}@96"],
+    }
+    assert entry["commands"]["converted"].startswith("rfkit sweep --config")
