@@ -142,7 +142,8 @@ def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
 
 def run(args) -> int:
     from rfkit.config.loading import load_model
-    from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+    from rfkit.conversion.headmap import HeadMap
+    from rfkit.experiments.reports import write_report
     from rfkit.models.hybrid import state_off
 
     start = time.time()
@@ -176,14 +177,7 @@ def run(args) -> int:
         "rows": rows,
         "wall_seconds": round(time.time() - start, 1),
     }
-    out = args.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "context.json", result)
-    table = markdown(result)
-    atomic_write_text(out / "context.md", table + "\n")
-    plot(result, out / "context.png")
-    print(table)
-    print(f"\ncontext.json, context.md, context.png -> {out}")
+    write_report(args.output_dir, "context", result, markdown(result), plot)
     _record(args, result)
     return 0
 

@@ -475,34 +475,11 @@ def main(argv: list[str]) -> int:
         atomic_write_json(args.json_out, result)
         print(f"\nJSON: {args.json_out}", file=sys.stderr)
     if not args.no_record:
-        key, title, rows, formats = card_record(result)
+        from rfkit.experiments.reports import bench_record
+
+        key, title, rows, formats = bench_record(result)
         card = add_to_model(args.model, key, title, rows, "rfkit bench " + shlex.join(argv), formats)
         if card is not None:
             print(f"added to the model card: {card}", file=sys.stderr)
     return 0
 
-
-def card_record(result: dict) -> tuple[str, str, dict, dict]:
-    """``(key, title, rows, formats)`` of a bench result for the model card
-    (:func:`rfkit.conversion.evaluations.record`): both models' numbers per length or context."""
-    rows, formats = {}, {}
-    if result["kind"] == "cache":
-        prompt = result["rows"][0]["prompt_len"] if result["rows"] else 0
-        key = f"bench cache prompt_len={prompt} device={result['device']}"
-        title = f"KV cache bytes held after a {prompt}-token prompt and l_g generated tokens (rfkit bench cache)"
-        for r in result["rows"]:
-            measure = f"cache bytes, l_g {r['l_g']:,}"
-            rows[measure] = {name: r[f"cache_bytes_{name}"] for name in ("original", "converted")}
-            formats[measure] = ",.0f"
-        return key, title, rows, formats
-    key = f"bench speed runs={result['runs']} decode_tokens={result['decode_tokens']} device={result['device']} threads={result['threads']}"
-    title = (
-        f"Tokens per second, median of {result['runs']} runs on {result['device']} "
-        f"({result['threads']} threads; rfkit bench speed)"
-    )
-    for r in result["rows"]:
-        for phase in ("prefill", "decode"):
-            measure = f"{phase} tokens/s, {r['context']:,}-token context"
-            rows[measure] = {name: r[f"{phase}_tps_{name}"] for name in ("original", "converted")}
-            formats[measure] = ".2f"
-    return key, title, rows, formats

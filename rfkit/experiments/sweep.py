@@ -479,48 +479,14 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from rfkit.conversion.headmap import atomic_write_json, atomic_write_text
+    from rfkit.experiments.reports import record_trained, write_report
 
     args, overrides = build_parser().parse_known_args(argv)
     args.overrides = check_overrides(overrides)
     validate(args)
     result = run(args)
-    out = args.output_dir
-    atomic_write_json(out / "sweep.json", result)
-    table = markdown(result)
-    atomic_write_text(out / "sweep.md", table + "\n")
-    plot(result, out / "sweep.png")
-    print(table)
-    print(f"\nsweep.json, sweep.md, sweep.png -> {out}")
+    write_report(args.output_dir, "sweep", result, markdown(result), plot)
     if not args.no_record:
         record_trained(result, "rfkit sweep " + shlex.join(argv))
     return 0
 
-
-def record_trained(result: dict, command: str) -> None:
-    """Each ``--trained`` model's card gets its rows beside the original and the training-free
-    rows at its beta (:mod:`rfkit.conversion.evaluations`): the matched-cache comparison."""
-    from rfkit.conversion.evaluations import add_to_model
-
-    length = result["cache_length"]
-    sets = {"ppl": f"perplexity, {result['val_blocks']} validation blocks of {result['seq_len']:,}"}
-    sets.update({name: f"perplexity, {result['long']['blocks'][name]} blocks {name}" for name in result["original"].get("long_ppl", {})})
-    measures = {**sets, "cache": f"cache bytes per token after {length:,} tokens"}
-
-    def cells(row: dict) -> dict:
-        values = {key: row["ppl"] if key == "ppl" else row["long_ppl"][key] for key in sets}
-        return {**values, "cache": row["cache_bytes"] / length}
-
-    for path in dict.fromkeys(r["model"] for r in result["rows"] if r.get("model")):
-        mine = [r for r in result["rows"] if r.get("model") == path]
-        columns = {"original": cells(result["original"])}
-        for r in mine:
-            columns["converted, state off" if r["operator"].endswith("state off") else "converted"] = cells(r)
-        for r in result["rows"]:
-            if not r.get("trained") and r["beta"] == mine[0]["beta"] and r["replaced_heads"]:
-                columns[f"{r['operator']}, training-free"] = cells(r)
-        rows = {measures[key]: {column: values[key] for column, values in columns.items()} for key in measures}
-        formats = {label: (",.0f" if key == "cache" else ".3f") for key, label in measures.items()}
-        key = f"sweep {Path(result['recipe']).name} val_blocks={result['val_blocks']} cache_length={length} long={result['long']}"
-        title = f"Against training-free operators at the same beta ({mine[0]['beta']:g}; rfkit sweep)"
-        add_to_model(path, key, title, rows, command, formats)
