@@ -92,6 +92,18 @@ def score(pred: list[str], target: list[str]) -> float:
     return correct / hops
 
 
+def per_hop_accuracy(rows: list[dict]) -> list[float]:
+    """``[a_1, a_2, ...]``: a_k is the fraction of samples whose chain is right through hop k
+    (its score times its hops is at least k), over the samples that have k hops or more."""
+    hops = [len(r["target"]) - 1 for r in rows]
+    right = [round(r["score"] * h) for r, h in zip(rows, hops)]
+    out = []
+    for k in range(1, max(hops) + 1):
+        have = [c for c, h in zip(right, hops) if h >= k]
+        out.append(sum(c >= k for c in have) / len(have))
+    return out
+
+
 def completion_budget(tokenizer, samples: list[dict], margin: float = 0.25, extra: int = 8) -> int:
     """Tokens to generate: the longest target completion in tokens, plus 25% and 8 tokens."""
     longest = max(len(tokenizer(s["completion"], add_special_tokens=False)["input_ids"]) for s in samples)
@@ -101,8 +113,9 @@ def completion_budget(tokenizer, samples: list[dict], margin: float = 0.25, extr
 def evaluate_hashhop(model, tokenizer, samples: list[dict], batch_size: int = 1, max_new_tokens: int | None = None) -> dict:
     """Greedy-decode each sample's prompt and score the predicted chains.
 
-    Returns ``{"h_gq", "n", "max_new_tokens", "samples": [{"index", "prediction", "target",
-    "score", "text"}, ...]}``, ``text`` being the raw generated completion.
+    Returns ``{"h_gq", "per_hop", "n", "max_new_tokens", "samples": [{"index", "prediction",
+    "target", "score", "text"}, ...]}``, ``text`` being the raw generated completion and
+    ``per_hop`` :func:`per_hop_accuracy`.
     """
     from tqdm.auto import tqdm
 
@@ -118,7 +131,7 @@ def evaluate_hashhop(model, tokenizer, samples: list[dict], batch_size: int = 1,
         pred = parse_chain(text, target[0])
         rows.append({"index": s.get("index", i), "prediction": pred, "target": target, "score": score(pred, target), "text": text})
     h_gq = sum(r["score"] for r in rows) / len(rows)
-    return {"h_gq": h_gq, "n": len(rows), "max_new_tokens": max_new_tokens, "samples": rows}
+    return {"h_gq": h_gq, "per_hop": per_hop_accuracy(rows), "n": len(rows), "max_new_tokens": max_new_tokens, "samples": rows}
 
 
 # -------------------------------------------------------------------------------------------- `rfkit eval hashhop`
@@ -210,6 +223,7 @@ def run(args) -> int:
     }
     out = {
         "h_gq": result["h_gq"],
+        "per_hop": result["per_hop"],
         "model": loaded.name,
         "base_model": loaded.base_model,
         "converted": loaded.converted,
@@ -224,7 +238,10 @@ def run(args) -> int:
     where = f"samples of {args.data}" if args.data else f"{args.hops} hops, {args.chars} characters, seed {args.seed}"
     add_to_card(
         args, f"hashhop {where} n={result['n']} max_new_tokens={result['max_new_tokens']}",
-        f"HashHop ({result['n']} {where}), h_gq", {"h_gq": result["h_gq"]}, {"h_gq": ".3f"},
+        f"HashHop ({result['n']} samples, {where})",
+        {"h_gq": result["h_gq"], **{f"right through hop {k}": a for k, a in enumerate(result["per_hop"], 1)}},
+        {"h_gq": ".3f", **{f"right through hop {k}": ".2f" for k in range(1, len(result["per_hop"]) + 1)}},
     )  # fmt: skip
     sys.stdout.write(f"hashhop: h_gq {result['h_gq']:.4f} over {result['n']} samples, model {loaded.name} ({wall:.1f} s)\n")
+    sys.stdout.write("right through hop " + ", ".join(f"{k}: {a:.2f}" for k, a in enumerate(result["per_hop"], 1)) + "\n")
     return 0

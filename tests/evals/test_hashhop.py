@@ -13,7 +13,7 @@ import torch
 from helpers import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rfkit.evals.hashhop import evaluate_hashhop, parse_chain, score
+from rfkit.evals.hashhop import evaluate_hashhop, parse_chain, per_hop_accuracy, score
 from rfkit.evals.hashhop_finetune import HashHopDataModule
 from rfkit.evals.hashhop_samples import format_completion, generate_samples, make_sample
 from rfkit.hub import SourceError
@@ -120,6 +120,13 @@ def test_score_counts_hops_after_h0_and_ignores_extra():
     assert score(["aaaa", "bbbb"], TARGET) == 0.25
     assert score(["aaaa", "bbbb", "cccc", "dddd", "eeee", "ffff"], TARGET) == 1.0
     assert score(["wrong", "bbbb"], TARGET) == 0.25  # h0 is given, never scored
+
+
+def test_per_hop_accuracy_by_hand():
+    # chains of 4 hops right through 0, 2 and 4 hops, and a 2-hop chain right through 1
+    rows = [{"target": TARGET, "score": 0.0}, {"target": TARGET, "score": 0.5}, {"target": TARGET, "score": 1.0},
+            {"target": TARGET[:3], "score": 0.5}]  # fmt: skip
+    assert per_hop_accuracy(rows) == [3 / 4, 2 / 4, 1 / 3, 1 / 3]
 
 
 def test_teacher_forced_targets_score_h_gq_one():
