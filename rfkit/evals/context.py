@@ -20,8 +20,8 @@ All models run in one process on the same blocks and prompts:
 Perplexity: for each length L, ``--tokens // L`` blocks (at least one) of L tokens from the
 held-out documents of ``--source`` (``embedded:shakespeare``: whole plays, so every block is
 one document's running text); each block is one forward pass. Passkey
-(:mod:`rfkit.evals.passkey`): a key hidden at each of ``--depths`` in prompts of each length,
-``--trials`` keys per depth. Cache bytes at each length are the analytic K/V bytes per token
+(:mod:`rfkit.evals.passkey`): a key hidden at each of ``--depths`` in prompts of each length
+less the 8 answer tokens (so prompt and answer fit in L), ``--trials`` keys per depth. Cache bytes at each length are the analytic K/V bytes per token
 times L plus the constant state (``rfkit bench cache`` measures the same within 0.1%).
 
 Writes ``context.json``, ``context.md`` and ``context.png`` (perplexity ratio and passkey
@@ -82,13 +82,13 @@ def validate(args) -> None:
     except SourceError as err:
         raise EvalError(f"--source: {str(err).removeprefix('data.source: ')}") from None
     if not args.no_passkey:
-        from rfkit.evals.passkey import _spec_tokenizer, template_tokens
+        from rfkit.evals.passkey import NEW_TOKENS, spec_tokenizer, template_tokens
 
-        need = template_tokens(_spec_tokenizer(args.model))
+        need = template_tokens(spec_tokenizer(args.model)) + NEW_TOKENS
         if min(args.length_list) < need:
             raise EvalError(
-                f"--lengths: {min(args.length_list)} tokens cannot hold the passkey template ({need} tokens); "
-                "give longer lengths or --no-passkey"
+                f"--lengths: {min(args.length_list)} tokens cannot hold the passkey template and its answer "
+                f"({need} tokens); give longer lengths or --no-passkey"
             )
     out = Path(args.output or f"runs/context_{Path(args.model).resolve().name}")
     if out.exists() and not out.is_dir():
@@ -122,14 +122,15 @@ def _models(args, loaded, head_map):
 def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
     """Perplexity per length, passkey accuracy per length and the analytic cache of one model."""
     from rfkit.callbacks.perplexity import evaluate_perplexity
-    from rfkit.evals.passkey import evaluate_passkey
+    from rfkit.evals.passkey import NEW_TOKENS, evaluate_passkey
     from rfkit.experiments.bench import analytic_cache
 
     ppl = {n: evaluate_perplexity(model, batches, desc=f"perplexity ({name}, {n})") for n, batches in blocks.items()}
     passkey = {}
-    if not args.no_passkey:
-        result = evaluate_passkey(model, tokenizer, args.length_list, args.depth_list, args.trials, args.seed)
-        passkey = {row["length"]: row["accuracy"] for row in result["by_length"]}
+    if not args.no_passkey:  # prompt + answer within L tokens
+        prompts = [n - NEW_TOKENS for n in args.length_list]
+        result = evaluate_passkey(model, tokenizer, prompts, args.depth_list, args.trials, args.seed, new_tokens=NEW_TOKENS)
+        passkey = {n: row["accuracy"] for n, row in zip(args.length_list, result["by_length"])}
     cache = analytic_cache(model)
     return {
         "ppl": ppl,

@@ -198,7 +198,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
 
 
-def _spec_tokenizer(spec: str):
+def spec_tokenizer(spec: str):
     """The tokenizer the model spec will load with (no weights)."""
     from pathlib import Path
 
@@ -216,7 +216,7 @@ def validate(args) -> None:
     positive_int(args, "new_tokens")
     positive_int(args, "batch_size")
     check_model_arguments(args, args.length_list, extra_tokens=args.new_tokens)
-    need = template_tokens(_spec_tokenizer(args.model))
+    need = template_tokens(spec_tokenizer(args.model))
     short = [n for n in args.length_list if n < need]
     if short:
         raise EvalError(
