@@ -245,13 +245,13 @@ def plot(result: dict, path: Path) -> Path:
     lengths = result["lengths"]
     for ax, (key, label) in zip(axes[0], panels):
         for i, (name, row) in enumerate(result["rows"].items()):
-            ax.plot(lengths, [row[key][n] for n in lengths], marker="os^Dv"[i % 5], label=name)
+            ax.plot(lengths, [row[key][n] for n in lengths], marker="os^Dv"[i % 5], ms=10 - 2 * (i % 4), alpha=0.85, label=name)  # overlaps stay visible
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_title(f"{Path(result['model']).name} (beta {result['beta']:g}), {result['source']}", fontsize=9)
+    axes[0][0].set_title(f"{result['model']} (beta {result['beta']:g}), {result['source']}", fontsize=8)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     return save_figure(fig, path)
