@@ -126,15 +126,18 @@ def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
     from rfkit.experiments.bench import analytic_cache
 
     ppl = {n: evaluate_perplexity(model, batches, desc=f"perplexity ({name}, {n})") for n, batches in blocks.items()}
-    passkey = {}
+    passkey, by_depth = {}, {}
     if not args.no_passkey:  # prompt + answer within L tokens
         prompts = [n - NEW_TOKENS for n in args.length_list]
         result = evaluate_passkey(model, tokenizer, prompts, args.depth_list, args.trials, args.seed, new_tokens=NEW_TOKENS)
         passkey = {n: row["accuracy"] for n, row in zip(args.length_list, result["by_length"])}
+        for n, prompt in zip(args.length_list, prompts):
+            by_depth[n] = {c["depth"]: c["accuracy"] for c in result["cells"] if c["length"] == prompt}
     cache = analytic_cache(model)
     return {
         "ppl": ppl,
         "passkey": passkey,
+        "passkey_by_depth": by_depth,
         "kv_bytes_per_token": cache["kv_bytes_per_token"],
         "state_bytes": cache["state_bytes"],
         "cache_bytes": {n: cache["kv_bytes_per_token"] * n + cache["state_bytes"] for n in args.length_list},
