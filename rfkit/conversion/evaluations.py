@@ -68,9 +68,14 @@ def record(
     entry["commands"].update(commands or {})
     entry["formats"].update(formats or {})
     atomic_write_text(model_dir / FILE, json.dumps({"records": records}, indent=2) + "\n")
-    card = model_dir / CARD
+    return rewrite_card(model_dir)
+
+
+def rewrite_card(model_dir: str | Path) -> Path:
+    """Rewrite the card's section from ``evaluations.json``; returns the card's path."""
+    card = Path(model_dir) / CARD
     text = card.read_text() if card.is_file() else ""
-    atomic_write_text(card, splice(text, section(records)))
+    atomic_write_text(card, splice(text, section(load(model_dir))))
     return card
 
 
@@ -113,10 +118,12 @@ def section(records: dict) -> str:
                 row.append(f"{after / before:.3f}" if numeric else "-")
             lines.append(f"| {measure} | " + " | ".join(row) + " |")
         lines.append("")
+        credits: dict[tuple, list[str]] = {}  # columns measured by one command on one day share a line
         for column in columns:
-            command = entry["commands"].get(column)
-            if command:
-                lines.append(f"- {column} ({entry['measured'].get(column, '?')}): `{command}`")
+            if entry["commands"].get(column):
+                credits.setdefault((entry["commands"][column], entry["measured"].get(column, "?")), []).append(column)
+        for (command, day), names in credits.items():
+            lines.append(f"- {', '.join(names)} ({day}): `{command}`")
         lines.append("")
     lines.append(END)
     return "\n".join(lines)

@@ -33,6 +33,14 @@ def test_columns_merge_and_the_card_section_sits_before_the_recipe(tmp_path):
     assert card.index(evaluations.START) > card.index("## Measured results")
     assert card.index(evaluations.END) < card.index("## Recipe")
     assert card.count(evaluations.START) == 1 and "seed: 0" in card
+    assert "- original (" in card and "): `cmd B`" in card and "- converted (" in card
+
+
+def test_columns_measured_by_one_command_share_its_line(tmp_path):
+    model = _dir(tmp_path)
+    evaluations.record(model, "k", "Sweep", {"x": {"original": 1.0, "converted": 2.0}}, {"original": "cmd", "converted": "cmd"})
+    card = (model / "README.md").read_text()
+    assert card.count("`cmd`") == 1 and "- original, converted (" in card
 
 
 def test_rewriting_the_section_is_stable_and_keys_keep_separate_tables(tmp_path):
