@@ -1,5 +1,6 @@
-"""Quality against context length: long-document perplexity and passkey, per length, for the
-original, a converted model and a training-free streaming baseline at the same cache.
+"""Quality against context length: long-document perplexity and passkey, per length, against the original.
+
+The converted model, the original and a training-free streaming baseline at the same cache.
 
     rfkit eval context --model DIR [--baseline "sink_recent(sink=4,window=64)"]
                        [--lengths 1024,2048,4096,8192] [--source embedded:shakespeare]
