@@ -31,7 +31,14 @@ import math
 import time
 from pathlib import Path
 
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int, write_json
+from rfkit.evals.common import (
+    EvalError,
+    add_model_arguments,
+    add_to_card,
+    check_model_arguments,
+    positive_int,
+    write_json,
+)
 
 MIN_VERSION = (0, 4, 9)
 INSTALL_HINT = 'lm-eval is not installed; install the eval extra: pip install "rfkit[eval]"'
@@ -195,4 +202,15 @@ def run(args) -> int:
         if key in results:
             out[key] = jsonable(results[key])
     write_json(args.json_out, out)
+    scores = {
+        f"{task} {metric.split(',')[0]}": value
+        for task, metrics in out.get("results", {}).items()
+        for metric, value in metrics.items()
+        if isinstance(value, (int, float)) and "stderr" not in metric
+    }  # "acc,none" -> "acc"; standard errors stay in the JSON
+    add_to_card(
+        args, f"lm-eval tasks={','.join(args.task_list)} fewshot={args.num_fewshot} limit={args.limit} seed={args.seed}",
+        f"lm-evaluation-harness ({', '.join(args.task_list)}; {args.num_fewshot} shots, limit {args.limit})",
+        scores, dict.fromkeys(scores, ".4f"),
+    )  # fmt: skip
     return 0

@@ -7,6 +7,7 @@ The standard tasks need hub datasets, so the runs use the local multiple-choice 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 from helpers import ROOT, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rfkit.conversion import evaluations
 
 TASKS = ROOT / "tests" / "fixtures" / "lm_eval"
 TASK = "rfkit_tiny_mc"
@@ -122,11 +125,16 @@ def test_local_task_on_the_tiny_model_matches_the_accuracy_by_hand(tiny_model_di
 @pytest.mark.slow
 def test_converted_model_with_limit(converted_dir, tmp_path, capsys, offline):
     out = tmp_path / "lm.json"
+    model = tmp_path / "model"  # a copy: the score goes onto the model's card
+    shutil.copytree(converted_dir, model)
     code, _, err = run_cli(
-        ["eval", "lm-eval", "--model", str(converted_dir), "--tasks", TASK, "--include-path", str(TASKS),
+        ["eval", "lm-eval", "--model", str(model), "--tasks", TASK, "--include-path", str(TASKS),
          "--limit", "5", "--batch-size", "2", "--json", str(out)], capsys)  # fmt: skip
     assert code == 0, err
     result = json.loads(out.read_text())
     assert result["converted"] is True and result["limit"] == 5
     assert result["n-samples"][TASK] == {"original": 8, "effective": 5}
     assert result["results"][TASK]["acc,none"] == pytest.approx(reference_accuracy(converted_dir, limit=5))
+    (entry,) = evaluations.load(model).values()
+    assert entry["rows"][f"{TASK} acc"] == {"converted": result["results"][TASK]["acc,none"]}
+    assert not any("stderr" in measure for measure in entry["rows"])
