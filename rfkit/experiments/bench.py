@@ -482,4 +482,3 @@ def main(argv: list[str]) -> int:
         if card is not None:
             print(f"added to the model card: {card}", file=sys.stderr)
     return 0
-

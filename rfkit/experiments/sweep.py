@@ -489,4 +489,3 @@ def main(argv: list[str]) -> int:
     if not args.no_record:
         record_trained(result, "rfkit sweep " + shlex.join(argv))
     return 0
-
