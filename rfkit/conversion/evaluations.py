@@ -157,15 +157,19 @@ def add_to_model(
     formats: dict[str, str] | None = None,
 ) -> Path | None:
     """:func:`record` when ``spec`` is a converted model directory, every column of ``rows``
-    credited to ``command``; returns the card's path, or None when nothing was written (not a
-    converted directory, or one this process cannot write: a warning says so)."""
+    credited to ``command``, and one line on stderr saying so; returns the card's path, or None
+    when nothing was written (not a converted directory, or one this process cannot write: a
+    warning says so)."""
     import logging
+    import sys
 
     if not is_converted_dir(spec):
         return None
     columns = {c for cells in rows.values() for c in cells}
     try:
-        return record(spec, key, title, rows, {c: command for c in columns} if command else None, formats)
+        card = record(spec, key, title, rows, {c: command for c in columns} if command else None, formats)
     except OSError as err:  # a read-only shared model: the results are still printed and in --json
         logging.getLogger(__name__).warning("could not add the results to %s/%s: %s", spec, CARD, err)
         return None
+    print(f"added to the model card: {card}", file=sys.stderr)
+    return card

@@ -106,14 +106,10 @@ def add_to_card(args, key: str, title: str, values: dict, formats: dict | None =
     """This run's ``{measure: value}`` added to the card of the converted model directory it
     measured (:mod:`rfkit.conversion.evaluations`), in the column "original" with
     ``--original``, else "converted"; nothing for a recipe or with ``--no-record``."""
-    import sys
-
     from rfkit.conversion.evaluations import add_to_model
 
     if getattr(args, "no_record", False):
         return
     side = "original" if getattr(args, "original", False) else "converted"
     rows = {measure: {side: value} for measure, value in values.items()}
-    card = add_to_model(args.model, key, title, rows, getattr(args, "command_line", None), formats)
-    if card is not None:
-        print(f"added to the model card: {card}", file=sys.stderr)
+    add_to_model(args.model, key, title, rows, getattr(args, "command_line", None), formats)

@@ -188,8 +188,6 @@ def run(args) -> int:
 
 
 def _record(args, result: dict) -> None:
-    import sys
-
     from rfkit.conversion.evaluations import add_to_model
 
     if args.no_record:
@@ -205,9 +203,7 @@ def _record(args, result: dict) -> None:
             formats[label] = ".2f"
     settings = f"{result['source']} tokens={result['tokens']} passkey={result['passkey']}"
     title = f"Quality against context length ({result['source']}, {result['tokens']:,} tokens per length; rfkit eval context)"
-    card = add_to_model(args.model, f"context {settings}", title, rows, getattr(args, "command_line", None), formats)
-    if card is not None:
-        print(f"added to the model card: {card}", file=sys.stderr)
+    add_to_model(args.model, f"context {settings}", title, rows, getattr(args, "command_line", None), formats)
 
 
 def markdown(result: dict) -> str:

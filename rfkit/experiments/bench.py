@@ -478,7 +478,5 @@ def main(argv: list[str]) -> int:
         from rfkit.experiments.reports import bench_record
 
         key, title, rows, formats = bench_record(result)
-        card = add_to_model(args.model, key, title, rows, "rfkit bench " + shlex.join(argv), formats)
-        if card is not None:
-            print(f"added to the model card: {card}", file=sys.stderr)
+        add_to_model(args.model, key, title, rows, "rfkit bench " + shlex.join(argv), formats)
     return 0
