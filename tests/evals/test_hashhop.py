@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from helpers import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,6 +237,35 @@ def test_data_module_labels_only_the_completion(tiny_model_dir, tiny_corpus):
 def test_data_module_rejects_bad_settings(tiny_model_dir, tiny_corpus, kw, message):
     with pytest.raises(SourceError, match=re.escape(message)):
         small_module(tiny_model_dir, tiny_corpus, **kw)
+
+
+# ------------------------------------------------------------------------------- recipes
+
+
+def test_the_two_hashhop_recipes_parse_and_train_the_same_way():
+    """smollm2_hashhop_b05 (hybrid) and smollm2_hashhop_mamba_b05 (the paper's Mamba) differ only
+    in the operator, its transfer and the run directory, so their h_gq compare like for like."""
+    from rfkit.config.lightning_cli import make_cli
+    from rfkit.operators import HybridOperator, MambaOperator
+
+    parsed = {}
+    for name in ("smollm2_hashhop_b05", "smollm2_hashhop_mamba_b05"):
+        cli = make_cli(["--config", str(ROOT / "recipes" / f"{name}.yaml")], run=False, trainer_defaults={"logger": False, "enable_checkpointing": False})
+        dm = cli.datamodule
+        assert isinstance(dm, HashHopDataModule) and (dm.hops, dm.hash_len, dm.chars) == (2, 8, 512)
+        assert cli.model.freeze == "none" and cli.model.policy.beta == 0.5
+        assert cli.trainer.max_steps * dm.batch_size == dm.train_samples  # every sample seen once
+        parsed[name] = cli
+    assert isinstance(parsed["smollm2_hashhop_b05"].model.operator, HybridOperator)
+    assert isinstance(parsed["smollm2_hashhop_mamba_b05"].model.operator, MambaOperator)
+
+    hybrid, mamba = (yaml.safe_load((ROOT / "recipes" / f"{n}.yaml").read_text()) for n in parsed)
+    assert hybrid["model"]["lr_scheduler"]["init_args"]["T_max"] == hybrid["trainer"]["max_steps"]
+    for config in (hybrid, mamba):
+        for key in ("operator", "transfer"):
+            del config["model"][key]
+        del config["trainer"]["default_root_dir"]
+    assert hybrid == mamba
 
 
 # ------------------------------------------------------------------------------- evaluation
