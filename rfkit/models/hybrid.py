@@ -29,8 +29,13 @@ shorter window (between ``window // 4`` and ``window``), so the tokens between t
 carried by the state. Without it a trained state can stay unused (the window alone already
 fits short text well).
 
-State, per layer: the window's ``(sink_k, sink_v, recent_k, recent_v, seen)`` plus ``S``
-``(B, Hkv, f, hd)`` and ``z`` ``(B, Hkv, f)``: constant in the sequence length.
+State, per layer: the window's ``(keys, values, seen)`` (sink slots and a ring of recent slots,
+see :mod:`rfkit.models.window`) plus ``S`` ``(B, Hkv, f, hd)`` and ``z`` ``(B, Hkv, f)``: constant in
+the sequence length. The window's three paths carry the state too: a decode step folds exactly
+the one key its new token evicts from the ring (one feature-map call on one key, ``S`` and ``z``
+updated in place); the tiled prefill computes the linear part in chunks of ``TILE`` tokens (exact
+causal linear attention inside a chunk, ``S`` and ``z`` carried between chunks); the general
+rank-masked path serves training.
 """
 
 from __future__ import annotations
@@ -39,15 +44,22 @@ import contextlib
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from rfkit.models.window import WindowAttention
+from rfkit.models.window import TILE, WindowAttention
 
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
 # negative cannot overflow the old tokens' weight.
 _MIN_MAX_SCORE = -60.0
-# Longer chunks are processed in sub-chunks of this many tokens (scores are L x (window + L)).
+# The general path (training) runs long chunks in sub-chunks of this many tokens (its scores are
+# L x (window + L)).
 PREFILL_CHUNK = 1024
+
+
+def _phi(proj: torch.Tensor) -> torch.Tensor:
+    """Feature map from the projection ``x W``: ``[softmax(xW), softmax(-xW)]``."""
+    return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], dim=-1)
 
 
 class HybridWindowAttention(WindowAttention):
@@ -104,39 +116,107 @@ class HybridWindowAttention(WindowAttention):
         """phi(x) ``(B, H, L, f)`` for keys (``per_query=False``, H = KV heads) or queries (each
         query head uses its KV head's map)."""
         w = self._per_query(self.feature_map.unsqueeze(0))[0] if per_query else self.feature_map
-        proj = torch.einsum("bhld,hdf->bhlf", x, w.to(x.dtype))
-        return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], dim=-1)
+        return _phi(x @ w.to(x.dtype).unsqueeze(0))
+
+    def _group_maps(self) -> torch.Tensor:
+        """Feature maps per query group (G, hd, f/2)."""
+        return self.feature_map if self.grouped else self._per_query(self.feature_map.unsqueeze(0))[0]
 
     def old_weight(self) -> torch.Tensor:
         """``g`` per query head ``(Hq,)``: 0 while the gate is closed."""
         return self.gate.clamp_min(0) * self.log_scale.exp()
 
-    def _train_window(self) -> int:
-        if not self.training or self.window_dropout <= 0 or self.window < 2:
+    def train_window(self) -> int:
+        if self.window_dropout <= 0 or self.window < 2:
             return self.window
         if float(torch.rand((), generator=self._generator)) >= self.window_dropout:
             return self.window
         low = max(1, self.window // 4)
         return int(torch.randint(low, self.window + 1, (), generator=self._generator))
 
-    # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
-        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]. A chunk longer than
-        ``PREFILL_CHUNK`` tokens runs as consecutive sub-chunks that carry the state (the same
-        result: the state is exact), so memory stays linear in L instead of L x L."""
-        window = self._train_window()  # one window for the whole forward
+    def _mix(self, A, Z, m, a, zl):
+        """``(A + g e^{-m} a) / (Z + g e^{-m} zl)`` with ``g`` per query head, the rep axis third."""
+        g = self.old_weight().to(A.dtype).view(-1, self.rep, *([1] * (A.dim() - 3)))
+        c = g * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+        return torch.addcmul(A, c, a) / torch.addcmul(Z, c, zl)
+
+    # -- tiled prefill ---------------------------------------------------------------------------
+    def _combine(self, A, Z, m, q, ctx, state, seen: int):
+        """Window sums plus the linear part: query ``i`` reads the state and the recent keys up to
+        index ``i`` (rank ``seen + i - w``), causal linear attention in chunks of TILE."""
+        B, _, L, hd = q.shape
+        C = TILE
+        nC = -(-L // C)
+        pad = nC * C - L
+        maps = self._group_maps().to(q.dtype)
+        qg = self._grouped_queries(q)  # (B, G, rep, L, hd)
+        phi_q = _phi(qg @ maps[None, :, None])  # (B, G, rep, L, f)
+        old_k, old_v = ctx["rec_k"][:, :, :L], ctx["rec_v"][:, :, :L]  # ranks seen - w + i
+        phi_k = _phi(old_k @ self.feature_map.to(q.dtype)[None]) * ctx["rec_valid"][:L, None].to(q.dtype)
+        ctx["fold"] = (phi_k, old_v)  # what the next state adds to S and z
+        phi_k, old_v = self._groups(phi_k), self._groups(old_v)
+        S0, z0 = self._groups(state[3]), self._groups(state[4])
+        if pad:
+            phi_q = F.pad(phi_q, (0, 0, 0, pad))
+            phi_k, old_v = F.pad(phi_k, (0, 0, 0, pad)), F.pad(old_v, (0, 0, 0, pad))
+        G, f = phi_k.shape[1], phi_k.shape[-1]
+        pq = phi_q.view(B, G, self.rep, nC, C, f)
+        pk, pv = phi_k.view(B, G, nC, C, f), old_v.reshape(B, G, nC, C, hd)
+        kv = pk.transpose(-1, -2) @ pv  # (B, G, nC, f, hd)
+        ksum = pk.sum(-2)  # (B, G, nC, f)
+        S_before = S0[:, :, None] + kv.cumsum(2) - kv
+        z_before = z0[:, :, None] + ksum.cumsum(2) - ksum
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        intra = (pq @ pk.transpose(-1, -2).unsqueeze(2)).masked_fill(~causal, 0)  # (B, G, rep, nC, C, C)
+        a = pq @ S_before.unsqueeze(2) + intra @ pv.unsqueeze(2)  # (B, G, rep, nC, C, hd)
+        zl = pq @ z_before.unsqueeze(2).unsqueeze(-1) + intra.sum(-1, keepdim=True)
+        flat = lambda t: t.reshape(B, G, self.rep, nC * C, t.shape[-1])[:, :, :, :L]  # noqa: E731
+        return self._mix(A, Z, m, flat(a), flat(zl))
+
+    def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
+        phi_k, old_v = ctx["fold"]
+        S = state[3] + phi_k.transpose(-1, -2) @ old_v
+        z = state[4] + phi_k.sum(2)
+        return super()._next_state(state, ctx, seen, L) + (S, z)
+
+    # -- one decode token ------------------------------------------------------------------------
+    def _before_write(self, state, slot, rows) -> None:
+        """Fold the key that the new token evicts from the ring (rank ``seen - w``) into S, z."""
+        keys, values, seen, S, z = state
+        if rows is None:  # steady state: every row evicts a real old token
+            k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
+            phi = _phi(k_old.unsqueeze(2) @ self.feature_map.to(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
+        else:
+            k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
+            phi = _phi(k_old.unsqueeze(2) @ self.feature_map.to(k_old.dtype))[:, :, 0]
+            phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
+        S.addcmul_(phi.unsqueeze(-1), v_old.unsqueeze(-2))
+        z.add_(phi)
+
+    def _step_combine(self, A, Z, m, qg, state):
+        S, z = self._groups(state[3]), self._groups(state[4])
+        phi_q = _phi(qg @ self._group_maps().to(qg.dtype))  # (B, G, rep, f)
+        a = phi_q @ S  # (B, G, rep, hd)
+        zl = phi_q @ z.unsqueeze(-1)
+        return self._mix(A, Z, m, a, zl)
+
+    # -- general rank-masked path (training) -----------------------------------------------------
+    def _general(self, x, state, mask, window: int, return_states: bool):
+        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state], with rank masks: the path that
+        training uses (a forward may draw a shorter window). A chunk longer than
+        ``PREFILL_CHUNK`` tokens runs as consecutive sub-chunks that carry the state."""
         L = x.shape[1]
         if L <= PREFILL_CHUNK:
-            return self._forward_chunk(x, state, mask, window, return_states)
+            return self._general_chunk(x, state, mask, window, return_states)
         outs = []
         for start in range(0, L, PREFILL_CHUNK):
             part = slice(start, start + PREFILL_CHUNK)
-            y, state = self._forward_chunk(x[:, part], state, None if mask is None else mask[:, part], window, True)
+            y, state = self._general_chunk(x[:, part], state, None if mask is None else mask[:, part], window, True)
             outs.append(y)
         y = torch.cat(outs, 1)
         return (y, state) if return_states else y
 
-    def _forward_chunk(self, x, state, mask, window: int, return_states: bool):
+    def _general_chunk(self, x, state, mask, window: int, return_states: bool):
         out, parts = self._attend(x, state, mask, window, return_states)
         A, Z, a, zl, m = parts
         g = self.old_weight().to(A.dtype)[None, :, None, None] * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
@@ -152,13 +232,13 @@ class HybridWindowAttention(WindowAttention):
         q, k, v = self._split(x)
         if not state:
             state = self.empty_state(B, x.device, k.dtype)
-        kv_sum, k_sum = state[5], state[6]
+        kv_sum, k_sum = state[3], state[4]
         real = self._real(x, mask)
-        rank, sink_rank, rec_rank = self._ranks(state[4], real)
+        rank, slot_rank = self._ranks(state[2], real)
 
         # exact softmax over sink + window, unnormalised, with its running max m
-        keys, values, key_rank = self._window_keys(state, k, v, rank, sink_rank, rec_rank)
-        allowed = self._visible(rank, key_rank, window)[:, None]  # (B, 1, L, S)
+        keys, values = torch.cat([state[0], k], 2), torch.cat([state[1], v], 2)
+        allowed = self._visible(rank, torch.cat([slot_rank, rank], 1), window)[:, None]  # (B, 1, L, S)
         scores = (q @ self._per_query(keys).transpose(-1, -2)) * self.scaling  # (B, Hq, L, S)
         scores = scores.masked_fill(~allowed, float("-inf"))
         m = scores.amax(-1, keepdim=True)  # (B, Hq, L, 1)
@@ -167,9 +247,10 @@ class HybridWindowAttention(WindowAttention):
         Z = p.sum(-1, keepdim=True)
 
         # linear attention over the tokens that left the window: the state holds ranks
-        # s .. seen-1-w; the recent slots and the chunk hold the rest, masked by rank
-        cand_k, cand_v = torch.cat([state[2], k], 2), torch.cat([state[3], v], 2)
-        cand_rank = torch.cat([rec_rank, rank], 1)  # (B, w + L)
+        # s .. seen-1-w; the ring slots and the chunk hold the rest, masked by rank
+        s = self.sink
+        cand_k, cand_v = torch.cat([state[0][:, :, s:], k], 2), torch.cat([state[1][:, :, s:], v], 2)
+        cand_rank = torch.cat([slot_rank[:, s:], rank], 1)  # (B, w + L)
         old = (cand_rank[:, None, :] >= self.sink) & (cand_rank[:, None, :] <= rank[:, :, None] - window)  # (B, L, w+L)
         phi_q = self.features(q, per_query=True)  # (B, Hq, L, f)
         phi_k = self.features(cand_k, per_query=False)  # (B, Hkv, w+L, f)
@@ -179,8 +260,8 @@ class HybridWindowAttention(WindowAttention):
 
         out = {"real": real, "state": None}
         if with_state:
-            window_state = self._next_window_state(state, k, v, rank, sink_rank, rec_rank, real)
-            limit = window_state[4] - 1 - self.window  # ranks <= limit are old after the chunk
+            window_state = self._next_window_state(state, k, v, rank, slot_rank, real)
+            limit = window_state[2] - 1 - self.window  # ranks <= limit are old after the chunk
             fold = ((cand_rank >= self.sink) & (cand_rank <= limit[:, None]) & (cand_rank >= 0)).to(k.dtype)
             phi_fold = phi_k * fold[:, None, :, None]
             out["state"] = window_state + (kv_sum + phi_fold.transpose(-1, -2) @ cand_v, k_sum + phi_fold.sum(2))

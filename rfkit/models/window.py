@@ -16,13 +16,25 @@ Input (the ``qkv`` operator input, see :class:`rfkit.models.operators.Replacemen
 ``(B, L, Hq*hd + 2*Hkv*hd)`` holding the replaced heads' rotated queries, then their KV heads'
 rotated keys and values.
 
-State, per layer: ``(sink_k, sink_v, recent_k, recent_v, seen)``: ``sink_*`` ``(B, Hkv, s, hd)``
-hold the first ``s`` real tokens, ``recent_*`` ``(B, Hkv, w, hd)`` the last ``w`` real tokens in
-order (empty slots first), ``seen`` ``(B,)`` the number of real tokens so far. Every token has a
-rank (its index among the sequence's real tokens); pad tokens have none, so a left-padded prompt
-leaves the same state as the unpadded one. A query of rank ``r`` sees the keys of rank ``j <= r``
-with ``r - j < w`` or ``j < s``. Slots of the recent buffer whose rank is below ``s`` are left
-out of the attention, since the sink buffer holds the same token.
+State, per layer: ``(keys, values, seen)``. ``keys`` / ``values`` ``(B, Hkv, s + w, hd)`` are a
+fixed buffer: slots ``0 .. s-1`` hold the first ``s`` real tokens (the sink), slots ``s .. s+w-1``
+a ring of the last ``w`` real tokens, the token of rank ``r >= s`` in slot ``s + r % w``. Tokens of
+rank below ``s`` live in the sink only. ``seen`` ``(B,)`` counts the real tokens so far. Every token
+has a rank (its index among the sequence's real tokens); pad tokens have none, so a left-padded
+prompt leaves the same state as the unpadded one. A query of rank ``r`` sees the keys of rank
+``j <= r`` with ``r - j < w`` or ``j < s``.
+
+Three paths compute the same thing (tested against each other and a naive masked attention in
+float64):
+
+- :meth:`WindowAttention.step`, one decode token: writes the new key into its ring slot in place
+  and attends to the ``s + w`` slots; no allocation of a new state.
+- the tiled prefill (inference, no padding or left padding): queries in tiles of ``TILE``; a tile
+  attends to the sink and to the ``TILE + w - 1`` keys ending at its last query (one strided view
+  of the keys, no copy per tile), so work and memory are linear in the length.
+- the general rank-masked path, kept for what the other two do not cover: training (window
+  dropout draws a shorter window per forward, and it is what the fits were tuned on) and masks
+  with holes that are not left padding.
 """
 
 from __future__ import annotations
@@ -30,6 +42,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
+TILE = 64
+# A long prefill runs in pieces of this many tokens that carry the state, so the transient
+# buffers stay bounded at any length.
+PREFILL_CHUNK = 1024
+
+
+def ring_ranks(seen: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """(B, w): rank held by each ring slot after ``seen`` real tokens, -1 where empty.
+
+    Slot ``j`` holds the newest rank ``r < seen`` with ``r % w == j``, if that rank is ``>= sink``."""
+    j = torch.arange(window, device=seen.device)
+    last = seen[:, None] - 1
+    rank = last - torch.remainder(last - j[None, :], window)
+    return torch.where(rank >= sink, rank, -1)
+
+
+def left_padding(mask: torch.Tensor) -> list[int] | None:
+    """Pad tokens per row when every row of ``mask`` (B, L) is pads then real tokens, else None."""
+    real = mask.to(torch.bool)
+    count = real.sum(1)
+    L = real.shape[1]
+    expected = torch.arange(L, device=real.device)[None, :] >= (L - count)[:, None]
+    if not torch.equal(real, expected):
+        return None
+    return (L - count).tolist()
 
 
 class WindowAttention(nn.Module):
@@ -53,6 +92,12 @@ class WindowAttention(nn.Module):
         self.scaling = head_dim**-0.5 if scaling is None else scaling
         self.d_in = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.d_out = self.num_heads * head_dim
+        # Query heads grouped by KV head, in order and equally many per group (always so for
+        # kv_group selection): queries are viewed as (B, Hkv, rep, L, hd) and keys are never
+        # copied per query head. Otherwise every query head is its own group.
+        rep = self.num_heads // self.num_kv_heads
+        self.grouped = self.kv_for_query == [g for g in range(self.num_kv_heads) for _ in range(rep)]
+        self.rep = rep if self.grouped else 1
         self._gather: dict = {}
 
     def extra_repr(self) -> str:
@@ -60,12 +105,10 @@ class WindowAttention(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, ...]:
-        h, d = self.num_kv_heads, self.head_dim
+        shape = (batch, self.num_kv_heads, self.sink + self.window, self.head_dim)
         return (
-            torch.zeros(batch, h, self.sink, d, device=device, dtype=dtype),
-            torch.zeros(batch, h, self.sink, d, device=device, dtype=dtype),
-            torch.zeros(batch, h, self.window, d, device=device, dtype=dtype),
-            torch.zeros(batch, h, self.window, d, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype),
             torch.zeros(batch, device=device, dtype=torch.long),
         )
 
@@ -75,7 +118,12 @@ class WindowAttention(nn.Module):
         kv = 2 * (self.sink + self.window) * self.num_kv_heads * self.head_dim * itemsize
         return int(batch_size) * (kv + torch.empty((), dtype=torch.long).element_size())
 
-    # -- forward -------------------------------------------------------------------------------
+    def slot_ranks(self, seen: torch.Tensor) -> torch.Tensor:
+        """(B, s + w): rank held by each slot of the state after ``seen`` tokens, -1 where empty."""
+        sink = torch.arange(self.sink, device=seen.device)[None, :].expand(seen.shape[0], -1)
+        return torch.cat([torch.where(sink < seen[:, None], sink, -1), ring_ranks(seen, self.sink, self.window)], 1)
+
+    # -- shared pieces -------------------------------------------------------------------------
     def _split(self, x: torch.Tensor):
         B, L, _ = x.shape
         hd, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -87,21 +135,230 @@ class WindowAttention(nn.Module):
         )
 
     def _per_query(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, Hkv, S, hd) -> (B, Hq, S, hd): each query head's KV head."""
+        """(B, Hkv, ...) -> (B, Hq, ...): each query head's KV head."""
         key = t.device
         if key not in self._gather:
             self._gather[key] = torch.tensor(self.kv_for_query, dtype=torch.long, device=t.device)
         return t.index_select(1, self._gather[key])
 
+    def _groups(self, t: torch.Tensor) -> torch.Tensor:
+        """KV-head tensor (B, Hkv, ...) -> (B, G, ...), one entry per query group."""
+        return t if self.grouped else self._per_query(t)
+
+    def _grouped_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, L, hd) -> (B, G, rep, L, hd)."""
+        B, _, L, hd = q.shape
+        return q.reshape(B, -1, self.rep, L, hd)
+
+    def _real(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, L = x.shape[:2]
+        return torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask.to(torch.bool)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, G, rep, L, hd) or (B, Hq, L, hd) -> (B, L, Hq * hd)."""
+        B, L = y.shape[0], y.shape[-2]
+        return y.reshape(B, self.num_heads, L, self.head_dim).transpose(1, 2).reshape(B, L, self.d_out)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
+        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]."""
+        if self.training:
+            return self._general(x, state, mask, self.train_window(), return_states)
+        if mask is not None:
+            pads = left_padding(mask)
+            if pads is None:
+                return self._general(x, state, mask, self.window, return_states)
+            return self._prefill_rows(x, state, pads, return_states)
+        if not state:
+            state = self.empty_state(x.shape[0], x.device, x.dtype)
+        seen = state[2]
+        if x.shape[0] > 1 and not bool((seen == seen[0]).all()):
+            return self._prefill_rows(x, state, [0] * x.shape[0], return_states)
+        y, new = self._prefill(x, state, int(seen[0]), return_states)
+        return (y, new) if return_states else y
+
+    def train_window(self) -> int:
+        """The window a training forward uses (the hybrid shortens it at random)."""
+        return self.window
+
+    def _prefill_rows(self, x, state, pads: list[int], return_states: bool):
+        """Left-padded (or unevenly advanced) batch: each row's real tokens run on their own."""
+        B, L, _ = x.shape
+        if not state:
+            state = self.empty_state(B, x.device, x.dtype)
+        y = x.new_zeros(B, L, self.d_out)
+        rows = []
+        for b, pad in enumerate(pads):
+            row_state = tuple(t[b : b + 1] for t in state)
+            if pad < L:
+                y_b, row_state = self._prefill(x[b : b + 1, pad:], row_state, int(row_state[2][0]), True)
+                y[b, pad:] = y_b[0]
+            rows.append(row_state)
+        if not return_states:
+            return y
+        return y, tuple(torch.cat(parts, 0) for parts in zip(*rows))
+
+    def _prefill(self, x, state, seen: int, return_states: bool):
+        """Tiled prefill of ``x`` (B, L, d_in), every row having ``seen`` tokens before it."""
+        outs = []
+        L = x.shape[1]
+        for start in range(0, L, PREFILL_CHUNK):
+            piece = x[:, start : start + PREFILL_CHUNK]
+            last = start + PREFILL_CHUNK >= L
+            y, state = self._prefill_piece(piece, state, seen + start, with_state=return_states or not last)
+            outs.append(y)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return y, state
+
+    def _prefill_piece(self, x, state, seen: int, with_state: bool):
+        q, k, v = self._split(x)
+        ctx = self._context(state, k, v, seen)
+        A, Z, m = self._window_sums(q, ctx, seen)
+        y = self._combine(A, Z, m, q, ctx, state, seen)
+        new = self._next_state(state, ctx, seen, x.shape[1]) if with_state else None
+        return self._output(y), new
+
+    def _context(self, state, k, v, seen: int) -> dict:
+        """The sink keys and the recent keys in rank order: the ring (ranks seen-w .. seen-1)
+        followed by the chunk, with each recent key's validity (rank >= sink)."""
+        s, w = self.sink, self.window
+        keys, values = state[0], state[1]
+        L = k.shape[2]
+        shift = seen % w
+        ring_k, ring_v = keys[:, :, s:], values[:, :, s:]
+        if shift:
+            ring_k, ring_v = torch.roll(ring_k, -shift, 2), torch.roll(ring_v, -shift, 2)
+        sink_k, sink_v = keys[:, :, :s], values[:, :, :s]
+        if seen < s:  # the chunk's first tokens are sink tokens
+            n = min(s, seen + L) - seen
+            sink_k, sink_v = sink_k.clone(), sink_v.clone()
+            sink_k[:, :, seen : seen + n], sink_v[:, :, seen : seen + n] = k[:, :, :n], v[:, :, :n]
+        rec_rank = torch.arange(seen - w, seen + L, device=k.device)
+        return {
+            "sink_k": sink_k,
+            "sink_v": sink_v,
+            "rec_k": torch.cat([ring_k, k], 2),  # (B, Hkv, w + L, hd), rank seen - w + index
+            "rec_v": torch.cat([ring_v, v], 2),
+            "rec_valid": rec_rank >= max(s, 0),
+            "length": L,
+        }
+
+    def _window_sums(self, q, ctx, seen: int):
+        """Unnormalised exact attention over the window: ``A`` (B, G, rep, L, hd), ``Z`` and the
+        running max ``m`` (B, G, rep, L, 1), in tiles of TILE queries."""
+        s, w = self.sink, self.window
+        B, _, L, hd = q.shape
+        T = TILE
+        nT = -(-L // T)
+        qg = self._grouped_queries(q * self.scaling)  # (B, G, rep, L, hd)
+        if nT * T != L:
+            qg = F.pad(qg, (0, 0, 0, nT * T - L))
+        qt = qg.view(B, qg.shape[1], self.rep, nT, T, hd)
+        span = T + w - 1
+        rec_k, rec_v = self._groups(ctx["rec_k"]), self._groups(ctx["rec_v"])
+        need = nT * T + w  # recent index of the last padded query is w - 1 + nT * T
+        extra = need - rec_k.shape[2]
+        if extra > 0:
+            rec_k, rec_v = F.pad(rec_k, (0, 0, 0, extra)), F.pad(rec_v, (0, 0, 0, extra))
+        # tile t's keys: recent indices 1 + tT .. tT + T + w - 1 (a strided view, no copy)
+        k_tiles = rec_k[:, :, 1:].unfold(2, span, T)[:, :, :nT]  # (B, G, nT, hd, span)
+        v_tiles = rec_v[:, :, 1:].unfold(2, span, T)[:, :, :nT]
+        scores = qt @ k_tiles.unsqueeze(2)  # (B, G, rep, nT, T, span)
+        valid = torch.cat([ctx["rec_valid"], ctx["rec_valid"].new_zeros(max(0, extra))])
+        valid = valid[1:].unfold(0, span, T)[:nT]  # (nT, span)
+        qi = torch.arange(T, device=q.device)[:, None]
+        kj = torch.arange(span, device=q.device)[None, :]
+        band = (kj >= qi) & (kj <= qi + w - 1)  # (T, span)
+        allowed = band[None] & valid[:, None, :]  # (nT, T, span)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        if s:
+            sink_scores = torch.einsum("bgrld,bgsd->bgrls", qg, self._groups(ctx["sink_k"]))  # (B, G, rep, nT*T, s)
+            rank = seen + torch.arange(nT * T, device=q.device)
+            sink_ok = torch.arange(s, device=q.device)[None, :] <= rank[:, None]  # (nT*T, s)
+            sink_scores = sink_scores.masked_fill(~sink_ok, float("-inf")).view(B, -1, self.rep, nT, T, s)
+            m = torch.maximum(m, sink_scores.amax(-1, keepdim=True))
+        m = m.clamp_min(torch.finfo(m.dtype).min)  # rows with no key at all (padding queries)
+        p = torch.exp(scores - m)
+        A = torch.einsum("bgrtqs,bgtds->bgrtqd", p, v_tiles)
+        Z = p.sum(-1, keepdim=True)
+        if s:
+            ps = torch.exp(sink_scores - m)
+            A = A + torch.einsum("bgrtqs,bgsd->bgrtqd", ps, self._groups(ctx["sink_v"]))
+            Z = Z + ps.sum(-1, keepdim=True)
+        G = qg.shape[1]
+        flat = lambda t: t.reshape(B, G, self.rep, nT * T, t.shape[-1])[:, :, :, :L]  # noqa: E731
+        return flat(A), flat(Z), flat(m)
+
+    def _combine(self, A, Z, m, q, ctx, state, seen: int):
+        """The output (B, G, rep, L, hd) from the window sums (the hybrid adds its state here)."""
+        return A / Z
+
+    def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
+        """The state after the chunk: sink, the last w recent keys back into their ring slots."""
+        s, w = self.sink, self.window
+        new_seen = seen + L
+        rec_k, rec_v = ctx["rec_k"][:, :, -w:], ctx["rec_v"][:, :, -w:]  # ranks new_seen - w ...
+        keep = ctx["rec_valid"][-w:][None, None, :, None].to(rec_k.dtype)
+        shift = new_seen % w
+        ring_k, ring_v = torch.roll(rec_k * keep, shift, 2), torch.roll(rec_v * keep, shift, 2)
+        keys = torch.cat([ctx["sink_k"], ring_k], 2)
+        values = torch.cat([ctx["sink_v"], ring_v], 2)
+        return keys, values, torch.full_like(state[2], new_seen)
+
+    # -- one decode token ----------------------------------------------------------------------
+    def step(self, x: torch.Tensor, *state):
+        """One decode token (B, 1, d_in): ``(out, *state)``, the state updated in place."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            out, new = self._general(x, state, None, self.window, True)  # keep autograd intact
+            return (out, *new)
+        q, k, v = self._split(x)
+        B = x.shape[0]
+        keys, values, seen = state[0], state[1], state[2]
+        s, w = self.sink, self.window
+        steady = None
+        if seen.device.type == "cpu":  # reading the count costs nothing on CPU
+            counts = seen.tolist()
+            if min(counts) == max(counts) and counts[0] >= s + w:  # the evicted slot holds a real token
+                steady = counts[0]
+        if steady is not None:
+            slot = s + steady % w
+            self._before_write(state, slot, None)
+            keys[:, :, slot] = k[:, :, 0]
+            values[:, :, slot] = v[:, :, 0]
+            allowed = None
+        else:
+            rows = torch.arange(B, device=x.device)
+            ring_slot = s + torch.remainder(seen, w)
+            self._before_write(state, ring_slot, rows)
+            slot = torch.where(seen < s, seen, ring_slot)
+            keys[rows, :, slot] = k[:, :, 0]
+            values[rows, :, slot] = v[:, :, 0]
+            allowed = self.slot_ranks(seen + 1) >= 0  # (B, s + w)
+        qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
+        scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - m)
+        A = p @ self._groups(values)
+        Z = p.sum(-1, keepdim=True)
+        y = self._step_combine(A, Z, m, qg, state)
+        seen.add_(1)
+        return (y.reshape(B, 1, self.d_out), *state)
+
+    def _before_write(self, state, slot, rows) -> None:
+        """Hook run before the new token overwrites ``slot`` (the hybrid folds the evicted key)."""
+
+    def _step_combine(self, A, Z, m, qg, state):
+        return A / Z
+
+    # -- general rank-masked path --------------------------------------------------------------
     def _ranks(self, seen: torch.Tensor, real: torch.Tensor):
         """Ranks (index among the sequence's real tokens, -1 where there is none) of the chunk's
-        tokens ``(B, L)``, of the sink slots ``(B, s)`` and of the recent slots ``(B, w)``."""
-        s, w = self.sink, self.window
+        tokens ``(B, L)`` and of the state's slots ``(B, s + w)``."""
         rank = torch.where(real, seen[:, None] + real.long().cumsum(1) - 1, -1)
-        slots = torch.arange(max(s, w), device=real.device)
-        sink_rank = torch.where(slots[None, :s] < seen[:, None], slots[None, :s], -1)
-        rec_rank = seen[:, None] - w + slots[None, :w]
-        return rank, sink_rank, torch.where(rec_rank >= 0, rec_rank, -1)
+        return rank, self.slot_ranks(seen)
 
     def _visible(self, q_rank: torch.Tensor, key_rank: torch.Tensor, window: int) -> torch.Tensor:
         """(B, L, S) bool: query of rank r sees key of rank j <= r with r - j < window or j < sink.
@@ -110,42 +367,23 @@ class WindowAttention(nn.Module):
         allowed = (kr >= 0) & (kr <= qr) & ((qr - kr < window) | (kr < self.sink))
         return allowed | ~allowed.any(-1, keepdim=True)
 
-    def _window_keys(self, state, k: torch.Tensor, v: torch.Tensor, rank, sink_rank, rec_rank):
-        """Keys, values and ranks the chunk's queries may attend to: sink slots, recent slots
-        (those of rank below ``sink`` are hidden: the sink buffer holds them), chunk tokens."""
-        sink_k, sink_v, rec_k, rec_v = state[:4]
-        rec_visible = torch.where(rec_rank >= self.sink, rec_rank, -1)
-        keys = torch.cat([sink_k, rec_k, k], dim=2)
-        values = torch.cat([sink_v, rec_v, v], dim=2)
-        return keys, values, torch.cat([sink_rank, rec_visible, rank], dim=1)
-
-    def _next_window_state(self, state, k, v, rank, sink_rank, rec_rank, real):
-        """The sink + recent state after the chunk."""
-        sink_k, sink_v, rec_k, rec_v, seen = state[:5]
-        s, w = self.sink, self.window
-        B = k.shape[0]
-        slots = torch.arange(max(s, w), device=k.device)
-        new_seen = seen + real.long().sum(1)
-        new_sink_k, new_sink_v = self._pick(
-            torch.cat([sink_rank, rank], 1), torch.cat([sink_k, k], 2), torch.cat([sink_v, v], 2), slots[None, :s].expand(B, s)
+    def _next_window_state(self, state, k, v, rank, slot_rank, real):
+        """The sink + ring state after the chunk (general path)."""
+        new_seen = state[2] + real.long().sum(1)
+        keys, values = self._pick(
+            torch.cat([slot_rank, rank], 1), torch.cat([state[0], k], 2), torch.cat([state[1], v], 2), self.slot_ranks(new_seen)
         )
-        target = new_seen[:, None] - w + slots[None, :w]
-        new_rec_k, new_rec_v = self._pick(torch.cat([rec_rank, rank], 1), torch.cat([rec_k, k], 2), torch.cat([rec_v, v], 2), target)
-        return new_sink_k, new_sink_v, new_rec_k, new_rec_v, new_seen
+        return keys, values, new_seen
 
-    def _real(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        B, L = x.shape[:2]
-        return torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask.to(torch.bool)
-
-    def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
+    def _general(self, x, state, mask, window: int, return_states: bool):
         B, L, _ = x.shape
         q, k, v = self._split(x)
         if not state:
             state = self.empty_state(B, x.device, k.dtype)
         real = self._real(x, mask)
-        rank, sink_rank, rec_rank = self._ranks(state[4], real)
-        keys, values, key_rank = self._window_keys(state, k, v, rank, sink_rank, rec_rank)
-        allowed = self._visible(rank, key_rank, self.window)
+        rank, slot_rank = self._ranks(state[2], real)
+        keys, values = torch.cat([state[0], k], 2), torch.cat([state[1], v], 2)
+        allowed = self._visible(rank, torch.cat([slot_rank, rank], 1), window)
         out = F.scaled_dot_product_attention(
             q, self._per_query(keys), self._per_query(values), attn_mask=allowed[:, None], scale=self.scaling
         )
@@ -153,7 +391,7 @@ class WindowAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, L, self.d_out)
         if not return_states:
             return out
-        return out, self._next_window_state(state, k, v, rank, sink_rank, rec_rank, real)
+        return out, self._next_window_state(state, k, v, rank, slot_rank, real)
 
     @staticmethod
     def _pick(ranks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor):
@@ -165,8 +403,3 @@ class WindowAttention(nn.Module):
         gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
         keep = found[:, None, :, None].to(keys.dtype)
         return keys.gather(2, gather) * keep, values.gather(2, gather) * keep
-
-    def step(self, x: torch.Tensor, *state):
-        """One decode token (B, 1, d_in): ``(out, *state)``."""
-        out, new = self(x, *state, return_states=True)
-        return (out, *new)
