@@ -201,39 +201,39 @@ class HybridWindowAttention(WindowAttention):
         return self._mix(A, Z, m, a, zl)
 
     # -- general rank-masked path (training) -----------------------------------------------------
-    def _general(self, x, state, mask, window: int, return_states: bool):
-        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state], with rank masks: the path that
-        training uses (a forward may draw a shorter window). A chunk longer than
-        ``PREFILL_CHUNK`` tokens runs as consecutive sub-chunks that carry the state."""
-        L = x.shape[1]
+    def _general(self, q, k, v, state, mask, window: int, return_states: bool):
+        """(B, L, d_out) [, next state] with rank masks: the path that training uses (a forward
+        may draw a shorter window). A chunk longer than ``PREFILL_CHUNK`` tokens runs as
+        consecutive sub-chunks that carry the state."""
+        L = q.shape[2]
         if L <= PREFILL_CHUNK:
-            return self._general_chunk(x, state, mask, window, return_states)
+            return self._general_chunk(q, k, v, state, mask, window, return_states)
         outs = []
         for start in range(0, L, PREFILL_CHUNK):
             part = slice(start, start + PREFILL_CHUNK)
-            y, state = self._general_chunk(x[:, part], state, None if mask is None else mask[:, part], window, True)
+            chunk = (t[:, :, part] for t in (q, k, v))
+            y, state = self._general_chunk(*chunk, state, None if mask is None else mask[:, part], window, True)
             outs.append(y)
         y = torch.cat(outs, 1)
         return (y, state) if return_states else y
 
-    def _general_chunk(self, x, state, mask, window: int, return_states: bool):
-        out, parts = self._attend(x, state, mask, window, return_states)
+    def _general_chunk(self, q, k, v, state, mask, window: int, return_states: bool):
+        out, parts = self._attend(q, k, v, state, mask, window, return_states)
         A, Z, a, zl, m = parts
         g = self.old_weight().to(A.dtype)[None, :, None, None] * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
         y = (A + g * a) / (Z + g * zl)  # (B, Hq, L, hd)
-        B, L = x.shape[:2]
+        B, L = q.shape[0], q.shape[2]
         y = y * out["real"][:, None, :, None].to(y.dtype)
         y = y.transpose(1, 2).reshape(B, L, self.d_out)
         return (y, out["state"]) if return_states else y
 
-    def _attend(self, x, state, mask, window: int, with_state: bool):
+    def _attend(self, q, k, v, state, mask, window: int, with_state: bool):
         """Window part (A, Z, m), linear part (a, zl) and, when needed, the next state."""
-        B, L, _ = x.shape
-        q, k, v = self._split(x)
+        B = q.shape[0]
         if not state:
-            state = self.empty_state(B, x.device, k.dtype)
+            state = self.empty_state(B, q.device, k.dtype)
         kv_sum, k_sum = state[3], state[4]
-        real = self._real(x, mask)
+        real = self._real(q, mask)
         rank, slot_rank = self._ranks(state[2], real)
 
         # exact softmax over sink + window, unnormalised, with its running max m

@@ -191,14 +191,9 @@ class RecurFormerAttention(nn.Module):
         token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
         B, L, _ = hidden_states.shape
         hd = self.head_dim
-        values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
+        query, key, value, mixer_qkv = self._project(hidden_states, position_embeddings)
         outputs = []
-        if self.q_proj is not None:
-            query = self.q_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hq_kept, L, hd)
-            key = self.k_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)  # (B, Hkv_kept, L, hd)
-            value = values.index_select(2, self._index("kept_kv_heads", values.device)).transpose(1, 2)  # (B, Hkv_kept, L, hd)
-            cos, sin = position_embeddings
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if query is not None:
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)
             if self._gather:
@@ -221,29 +216,61 @@ class RecurFormerAttention(nn.Module):
             outputs.append(attn_out.reshape(B, L, -1))  # (B, L, Hq_kept * hd)
         elif past_key_values is not None:
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
-            empty = values.new_zeros(B, 0, L, hd)
+            empty = hidden_states.new_zeros(B, 0, L, hd)
             past_key_values.update(empty, empty, self.layer_idx)
             _count_headless_tokens(past_key_values, self.layer_idx)
-        mixer_in = self.mixer_input(hidden_states, position_embeddings, values)
-        outputs.append(self._mix(mixer_in, past_key_values, token_mask))  # (B, L, Hq_m * hd)
+        outputs.append(self._mix(mixer_qkv, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
 
-    def mixer_input(self, hidden_states: torch.Tensor, position_embeddings, values: torch.Tensor | None = None) -> torch.Tensor:
-        """What the mixer reads (B, L, d_in): the replaced heads' KV-head values, preceded for
-        ``qkv`` operators by their rotated queries and keys. ``values`` (B, L, Hkv, hd) are all KV
-        heads' values when the caller has them already. Attention transfer calls this on the
-        original model's hidden states, so a mixer is fitted on exactly what it will be fed."""
+    def _project(self, hidden_states: torch.Tensor, position_embeddings):
+        """Every projection of the layer, each computed once: the kept heads' rotated query, key
+        and value ``(B, H, L, hd)`` (None without kept heads) and what the mixer reads: the
+        replaced heads' KV-head values ``(B, L, Hkv_m * hd)``, or for ``qkv`` operators their
+        rotated ``(q, k, v)`` in ``(B, H, L, hd)``. Kept and replaced queries (and keys) are
+        rotated in one call, then sliced apart as views."""
         B, L, _ = hidden_states.shape
         hd = self.head_dim
-        if values is None:
-            values = self.v_proj(hidden_states).view(B, L, -1, hd)
-        mixer_in = values.index_select(2, self._index("mixer_kv_heads", values.device)).reshape(B, L, -1)  # (B, L, Hkv_m * hd)
+        values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
+        mixer_v = self._heads(values, "mixer_kv_heads")
+        query = key = value = None
+        q_parts, k_parts = [], []
+        if self.q_proj is not None:
+            q_parts.append(self.q_proj(hidden_states))
+            k_parts.append(self.k_proj(hidden_states))
+            value = self._heads(values, "kept_kv_heads").transpose(1, 2)  # (B, Hkv_kept, L, hd)
+        if self.mixer_reads_qk:
+            q_parts.append(self.mq_proj(hidden_states))
+            k_parts.append(self.mk_proj(hidden_states))
+        if not q_parts:
+            return None, None, None, mixer_v.reshape(B, L, -1)
+        q = (q_parts[0] if len(q_parts) == 1 else torch.cat(q_parts, -1)).view(B, L, -1, hd).transpose(1, 2)
+        k = (k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, -1)).view(B, L, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        n_q = len(self.kept_heads) if self.q_proj is not None else 0
+        n_k = len(self.kept_kv_heads) if self.q_proj is not None else 0
+        if self.q_proj is not None:
+            query, key = q[:, :n_q], k[:, :n_k]
+        if not self.mixer_reads_qk:
+            return query, key, value, mixer_v.reshape(B, L, -1)
+        return query, key, value, (q[:, n_q:], k[:, n_k:], mixer_v.transpose(1, 2))
+
+    def _heads(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """``values`` (B, L, Hkv, hd) of the KV heads listed in ``name``: a view when they are
+        a contiguous range, else one index_select."""
+        heads = getattr(self, name)
+        if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+            return values[:, :, heads[0] : heads[0] + len(heads)]
+        return values.index_select(2, self._index(name, values.device))
+
+    def mixer_input(self, hidden_states: torch.Tensor, position_embeddings, values: torch.Tensor | None = None) -> torch.Tensor:
+        """What the mixer reads, packed (B, L, d_in): the replaced heads' KV-head values, preceded
+        for ``qkv`` operators by their rotated queries and keys. Attention transfer calls this on
+        the original model's hidden states, so a mixer is fitted on exactly what it will be fed."""
+        mixer_in = self._project(hidden_states, position_embeddings)[3]
         if not self.mixer_reads_qk:
             return mixer_in
-        mq = self.mq_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
-        mk = self.mk_proj(hidden_states).view(B, L, -1, hd).transpose(1, 2)
-        mq, mk = apply_rotary_pos_emb(mq, mk, *position_embeddings)
-        return torch.cat([mq.transpose(1, 2).reshape(B, L, -1), mk.transpose(1, 2).reshape(B, L, -1), mixer_in], dim=-1)
+        B, L, _ = hidden_states.shape
+        return torch.cat([t.transpose(1, 2).reshape(B, L, -1) for t in mixer_in], dim=-1)
 
     def _index(self, name: str, device) -> torch.Tensor:
         key = (name, device)
@@ -251,23 +278,28 @@ class RecurFormerAttention(nn.Module):
             self._index_cache[key] = torch.tensor(getattr(self, name), dtype=torch.long, device=device)
         return self._index_cache[key]
 
-    def _mix(self, x: torch.Tensor, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the mixer on x (B, L, d_in). ``mask`` (B, L), 1 for real tokens, is given only when
-        the chunk holds padding; it is then passed on as ``mixer(..., mask=mask)`` so pad tokens
-        leave the state untouched (mixers without padding support are never sent a mask for
-        unpadded input)."""
+    def _mix(self, x, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the mixer on ``x``: a packed (B, L, d_in) tensor, or for ``qkv`` operators the
+        ``(q, k, v)`` triple that :meth:`_project` returns (the mixer's ``attend`` / ``step_qkv``
+        take it as it is, with no packing and splitting between them). ``mask`` (B, L), 1 for
+        real tokens, is given only when the chunk holds padding; it is then passed on as
+        ``mixer(..., mask=mask)`` so pad tokens leave the state untouched (mixers without padding
+        support are never sent a mask for unpadded input)."""
         extra = {} if mask is None else {"mask": mask}
+        split = isinstance(x, tuple)
+        forward = self.mixer.attend if split else self.mixer
+        args = x if split else (x,)
         if cache is None:
-            return self.mixer(x, **extra)
+            return forward(*args, **extra)
         store = mixer_state_store(cache)
         state = store.get(self.layer_idx)
         if state is None:
-            out, state = self.mixer(x, return_states=True, **extra)
-        elif x.shape[1] == 1:
+            out, state = forward(*args, return_states=True, **extra)
+        elif args[0].shape[-2 if split else 1] == 1:
             # A decode step: one real token (padding only ever precedes a prompt).
-            out, *state = self.mixer.step(x, *state)
+            out, *state = self.mixer.step_qkv(*args, *state) if split else self.mixer.step(x, *state)
         else:
-            out, state = self.mixer(x, *state, return_states=True, **extra)
+            out, state = forward(*args, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
         return out
 

@@ -150,9 +150,9 @@ class WindowAttention(nn.Module):
         B, _, L, hd = q.shape
         return q.reshape(B, -1, self.rep, L, hd)
 
-    def _real(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        B, L = x.shape[:2]
-        return torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask.to(torch.bool)
+    def _real(self, q: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, L = q.shape[0], q.shape[2]
+        return torch.ones(B, L, dtype=torch.bool, device=q.device) if mask is None else mask.to(torch.bool)
 
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         """(B, G, rep, L, hd) or (B, Hq, L, hd) -> (B, L, Hq * hd)."""
@@ -162,60 +162,65 @@ class WindowAttention(nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
         """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]."""
+        return self.attend(*self._split(x), *state, return_states=return_states, mask=mask)
+
+    def attend(self, q, k, v, *state, return_states: bool = False, mask: torch.Tensor | None = None):
+        """As :meth:`forward`, from the rotated queries (B, Hq, L, hd), keys and values
+        (B, Hkv, L, hd) that the converted layer has already split by head."""
         if self.training:
-            return self._general(x, state, mask, self.train_window(), return_states)
+            return self._general(q, k, v, state, mask, self.train_window(), return_states)
         if mask is not None:
             pads = left_padding(mask)
             if pads is None:
-                return self._general(x, state, mask, self.window, return_states)
-            return self._prefill_rows(x, state, pads, return_states)
+                return self._general(q, k, v, state, mask, self.window, return_states)
+            return self._prefill_rows(q, k, v, state, pads, return_states)
         if not state:
-            state = self.empty_state(x.shape[0], x.device, x.dtype)
+            state = self.empty_state(q.shape[0], q.device, k.dtype)
         seen = state[2]
-        if x.shape[0] > 1 and not bool((seen == seen[0]).all()):
-            return self._prefill_rows(x, state, [0] * x.shape[0], return_states)
-        y, new = self._prefill(x, state, int(seen[0]), return_states)
+        if q.shape[0] > 1 and not bool((seen == seen[0]).all()):
+            return self._prefill_rows(q, k, v, state, [0] * q.shape[0], return_states)
+        y, new = self._prefill(q, k, v, state, int(seen[0]), return_states)
         return (y, new) if return_states else y
 
     def train_window(self) -> int:
         """The window a training forward uses (the hybrid shortens it at random)."""
         return self.window
 
-    def _prefill_rows(self, x, state, pads: list[int], return_states: bool):
+    def _prefill_rows(self, q, k, v, state, pads: list[int], return_states: bool):
         """Left-padded (or unevenly advanced) batch: each row's real tokens run on their own."""
-        B, L, _ = x.shape
+        B, L = q.shape[0], q.shape[2]
         if not state:
-            state = self.empty_state(B, x.device, x.dtype)
-        y = x.new_zeros(B, L, self.d_out)
+            state = self.empty_state(B, q.device, k.dtype)
+        y = q.new_zeros(B, L, self.d_out)
         rows = []
         for b, pad in enumerate(pads):
             row_state = tuple(t[b : b + 1] for t in state)
             if pad < L:
-                y_b, row_state = self._prefill(x[b : b + 1, pad:], row_state, int(row_state[2][0]), True)
+                one = (t[b : b + 1, :, pad:] for t in (q, k, v))
+                y_b, row_state = self._prefill(*one, row_state, int(row_state[2][0]), True)
                 y[b, pad:] = y_b[0]
             rows.append(row_state)
         if not return_states:
             return y
         return y, tuple(torch.cat(parts, 0) for parts in zip(*rows))
 
-    def _prefill(self, x, state, seen: int, return_states: bool):
-        """Tiled prefill of ``x`` (B, L, d_in), every row having ``seen`` tokens before it."""
+    def _prefill(self, q, k, v, state, seen: int, return_states: bool):
+        """Tiled prefill of one chunk, every row having ``seen`` tokens before it."""
         outs = []
-        L = x.shape[1]
+        L = q.shape[2]
         for start in range(0, L, PREFILL_CHUNK):
-            piece = x[:, start : start + PREFILL_CHUNK]
+            piece = slice(start, start + PREFILL_CHUNK)
             last = start + PREFILL_CHUNK >= L
-            y, state = self._prefill_piece(piece, state, seen + start, with_state=return_states or not last)
+            y, state = self._prefill_piece(q[:, :, piece], k[:, :, piece], v[:, :, piece], state, seen + start, return_states or not last)
             outs.append(y)
         y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return y, state
 
-    def _prefill_piece(self, x, state, seen: int, with_state: bool):
-        q, k, v = self._split(x)
+    def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool):
         ctx = self._context(state, k, v, seen)
         A, Z, m = self._window_sums(q, ctx, seen)
         y = self._combine(A, Z, m, q, ctx, state, seen)
-        new = self._next_state(state, ctx, seen, x.shape[1]) if with_state else None
+        new = self._next_state(state, ctx, seen, q.shape[2]) if with_state else None
         return self._output(y), new
 
     def _context(self, state, k, v, seen: int) -> dict:
@@ -309,11 +314,14 @@ class WindowAttention(nn.Module):
     # -- one decode token ----------------------------------------------------------------------
     def step(self, x: torch.Tensor, *state):
         """One decode token (B, 1, d_in): ``(out, *state)``, the state updated in place."""
-        if torch.is_grad_enabled() and x.requires_grad:
-            out, new = self._general(x, state, None, self.window, True)  # keep autograd intact
+        return self.step_qkv(*self._split(x), *state)
+
+    def step_qkv(self, q, k, v, *state):
+        """As :meth:`step`, from the token's rotated query, key and value split by head."""
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, new = self._general(q, k, v, state, None, self.window, True)  # keep autograd intact
             return (out, *new)
-        q, k, v = self._split(x)
-        B = x.shape[0]
+        B = q.shape[0]
         keys, values, seen = state[0], state[1], state[2]
         s, w = self.sink, self.window
         steady = None
@@ -328,7 +336,7 @@ class WindowAttention(nn.Module):
             values[:, :, slot] = v[:, :, 0]
             allowed = None
         else:
-            rows = torch.arange(B, device=x.device)
+            rows = torch.arange(B, device=q.device)
             ring_slot = s + torch.remainder(seen, w)
             self._before_write(state, ring_slot, rows)
             slot = torch.where(seen < s, seen, ring_slot)
@@ -375,12 +383,11 @@ class WindowAttention(nn.Module):
         )
         return keys, values, new_seen
 
-    def _general(self, x, state, mask, window: int, return_states: bool):
-        B, L, _ = x.shape
-        q, k, v = self._split(x)
+    def _general(self, q, k, v, state, mask, window: int, return_states: bool):
+        B, L = q.shape[0], q.shape[2]
         if not state:
-            state = self.empty_state(B, x.device, k.dtype)
-        real = self._real(x, mask)
+            state = self.empty_state(B, q.device, k.dtype)
+        real = self._real(q, mask)
         rank, slot_rank = self._ranks(state[2], real)
         keys, values = torch.cat([state[0], k], 2), torch.cat([state[1], v], 2)
         allowed = self._visible(rank, torch.cat([slot_rank, rank], 1), window)
