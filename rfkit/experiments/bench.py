@@ -2,7 +2,8 @@
 
     rfkit bench cache --model DIR|RECIPE --lengths 1024,10240,61440 [--prompt-len N]
                       [--max-input BYTES] [--json OUT]
-    rfkit bench speed --model DIR|RECIPE --contexts 512,2048,8192,16384 [--runs 5] [--json OUT]
+    rfkit bench speed --model DIR|RECIPE --contexts 512,2048,8192,16384 [--runs 5] [--batch 1,4]
+                      [--max-input BYTES] [--layer-step] [--json OUT]
 
 ``--model`` is a converted model directory (``rfkit convert`` / ``rfkit fit`` output; the
 original is loaded from the base model named in its ``head_map.json``) or a recipe YAML (the
@@ -12,7 +13,8 @@ speed). Both models run in the same process on random token ids, as in the paper
 Every number is measured; the analytic cache prediction is printed beside the measurement,
 never instead of it.
 
-One module: cache and speed share the model pair, random inputs, parser and report (~150 lines each).
+Cache lives here; the speed measurements are in :mod:`rfkit.experiments.speed`. Both share the
+model pair, random inputs, parser and report.
 """
 
 from __future__ import annotations
@@ -22,9 +24,7 @@ import ctypes
 import gc
 import logging
 import shlex
-import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--contexts", default="512,2048,8192,16384", help="context lengths, comma separated")
     speed.add_argument("--runs", type=int, default=5, help="measured runs per model and context (median reported)")
     speed.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode measurement")
+    speed.add_argument("--batch", default="1", help="batch sizes, comma separated (e.g. 1,4)")
+    speed.add_argument(
+        "--max-input", default=None,
+        help="cache budget (e.g. 1GiB): per context, the largest batch that fits and its decode tokens/s",
+    )  # fmt: skip
+    speed.add_argument("--max-batch", type=int, default=16, help="largest batch run for --max-input (default 16)")
+    speed.add_argument("--layer-step", action="store_true", help="also time one attention layer's decode step and count its torch calls")
     return parser
 
 
@@ -142,8 +149,9 @@ def analytic_cache(model, batch: int = 1) -> dict:
 
 
 def _random_ids(model, length: int, seed: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (1, length), generator=g).to(device)
+    from rfkit.experiments.speed import random_ids
+
+    return random_ids(model, 1, length, seed, device)
 
 
 @torch.no_grad()
@@ -304,85 +312,6 @@ def run_cache(args, pair: ModelPair, device) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- speed
-class _Clock:
-    """A ``generate`` streamer that timestamps the prompt and every new token."""
-
-    def __init__(self, device):
-        self.device, self.stamps = device, []
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def put(self, value) -> None:
-        self.stamps.append(self._now())
-
-    def end(self) -> None:
-        pass
-
-
-@torch.no_grad()
-def time_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds per token) of one ``model.generate`` call."""
-    clock = _Clock(ids.device)
-    clock.stamps.append(clock._now())
-    model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        streamer=clock,
-    )
-    # stamps: [start, prompt put (before prefill), first token (after prefill), token 2, ...]
-    prefill = clock.stamps[2] - clock.stamps[0]
-    decode = (clock.stamps[-1] - clock.stamps[2]) / max(1, len(clock.stamps) - 3)
-    return prefill, decode
-
-
-def run_speed(args, pair: ModelPair, device) -> dict:
-    from tqdm.auto import tqdm
-
-    rows = []
-    names = ("original", "converted")
-    with tqdm(total=len(args.contexts_list) * (args.runs + 1) * 2, desc="speed", unit="run", disable=None) as bar:
-        for context in args.contexts_list:
-            ids = _random_ids(pair.original, context, args.seed, device)
-            for name in names:  # warm-up: a short run of each model
-                time_generate(getattr(pair, name), ids[:, : min(context, 256)], 4)
-                bar.update(1)
-            times = {name: {"prefill": [], "decode": []} for name in names}
-            for run in range(args.runs):
-                order = names if run % 2 == 0 else names[::-1]  # interleaved, alternating first
-                for name in order:
-                    prefill, decode = time_generate(getattr(pair, name), ids, args.decode_tokens)
-                    times[name]["prefill"].append(prefill)
-                    times[name]["decode"].append(decode)
-                    bar.update(1)
-            row = {"context": context}
-            for name in names:
-                row[f"prefill_tps_{name}"] = context / statistics.median(times[name]["prefill"])
-                row[f"decode_tps_{name}"] = 1.0 / statistics.median(times[name]["decode"])
-                row[f"prefill_s_runs_{name}"] = times[name]["prefill"]
-                row[f"decode_s_per_token_runs_{name}"] = times[name]["decode"]
-            row["prefill_ratio"] = row["prefill_tps_converted"] / row["prefill_tps_original"]
-            row["decode_ratio"] = row["decode_tps_converted"] / row["decode_tps_original"]
-            rows.append(row)
-    return {
-        "kind": "speed",
-        "model": args.model,
-        "base_model": pair.base_model,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "runs": args.runs,
-        "decode_tokens": args.decode_tokens,
-        "rows": rows,
-        "notes": pair.notes,
-    }
-
-
 # ----------------------------------------------------------------------------- output
 def _mib(n) -> str:
     return f"{n / 2**20:,.2f}"
@@ -424,19 +353,9 @@ def markdown(result: dict) -> str:
                 f"original {mi['original']['max_input']:,}, converted {mi['converted']['max_input']:,} tokens."
             )
     else:
-        head = ["context", "prefill tok/s original", "prefill tok/s converted", "ratio", "decode tok/s original", "decode tok/s converted", "ratio"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in result["rows"]:
-            lines.append(
-                f"| {r['context']:,} | {r['prefill_tps_original']:.1f} | {r['prefill_tps_converted']:.1f} | "
-                f"{r['prefill_ratio']:.2f}x | {r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | "
-                f"{r['decode_ratio']:.2f}x |"
-            )
-        lines.append("")
-        lines.append(
-            f"Median of {result['runs']} interleaved runs after a warm-up; decode over {result['decode_tokens']} "
-            f"greedy tokens of `generate()`; device {result['device']}, {result['threads']} threads."
-        )
+        from rfkit.experiments.speed import markdown as speed_markdown
+
+        lines += speed_markdown(result, _mib)
     for note in result.get("notes", []):
         lines.append(f"Note: {note}.")
     return "\n".join(lines)
@@ -452,6 +371,9 @@ def validate(args) -> None:
         args.budget = None if args.max_input is None else parse_bytes(args.max_input, "--max-input", error=BenchError)
     else:
         args.contexts_list = parse_lengths(args.contexts, "--contexts", error=BenchError)
+        args.batch_list = parse_lengths(args.batch, "--batch", error=BenchError)
+        args.budget = None if args.max_input is None else parse_bytes(args.max_input, "--max-input", error=BenchError)
+        positive_int("--max-batch", args.max_batch, error=BenchError, message=POSITIVE_INTEGER)
         positive_int("--runs", args.runs, error=BenchError, message=POSITIVE_INTEGER)
         positive_int("--decode-tokens", args.decode_tokens, 2, error=BenchError, message="{field}: must be at least {minimum}, got {value}")
     from rfkit.config.catalog import resolve_model_spec
@@ -469,7 +391,12 @@ def main(argv: list[str]) -> int:
     validate(args)
     device = args.torch_device
     pair = load_pair(args.model, device)
-    result = run_cache(args, pair, device) if args.what == "cache" else run_speed(args, pair, device)
+    if args.what == "cache":
+        result = run_cache(args, pair, device)
+    else:
+        from rfkit.experiments.speed import run_speed
+
+        result = run_speed(args, pair, device)
     print(markdown(result))
     if args.json_out:
         atomic_write_json(args.json_out, result)

@@ -67,8 +67,9 @@ def bench_record(result: dict) -> tuple[str, str, dict, dict]:
         f"({result['threads']} threads; rfkit bench speed)"
     )
     for r in result["rows"]:
+        batch = r.get("batch", 1)
         for phase in ("prefill", "decode"):
-            measure = f"{phase} tokens/s, {r['context']:,}-token context"
+            measure = f"{phase} tokens/s, {r['context']:,}-token context" + (f", batch {batch}" if batch != 1 else "")
             rows[measure] = {name: r[f"{phase}_tps_{name}"] for name in ("original", "converted")}
             formats[measure] = ".2f"
     return key, title, rows, formats

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from rfkit.conversion import evaluations
 from rfkit.conversion.headmap import HeadMap
 from rfkit.experiments import bench
+from rfkit.experiments.speed import cache_bytes_per_sequence
 from rfkit.models.cache import cache_bytes
 
 
@@ -127,6 +128,39 @@ def test_speed_bench_rows(converted_dir, tmp_path, capsys):
             assert row[key] > 0
         assert len(row["prefill_s_runs_original"]) == len(row["decode_s_per_token_runs_converted"]) == 2
     assert "| 48 |" in stdout and "Median of 2 interleaved runs" in stdout
+
+
+@pytest.mark.slow
+def test_speed_bench_batches_budget_and_layer_step(converted_dir, tmp_path, capsys):
+    """--batch gives one row per context and batch; --max-input picks the largest batch whose
+    measured cache fits (more for the converted model, whose cache is smaller); --layer-step
+    times one layer's decode step and counts its torch calls."""
+    out = tmp_path / "speed.json"
+    code, stdout, err = run_cli(
+        ["bench", "speed", "--model", str(converted_dir), "--contexts", "200", "--runs", "1", "--decode-tokens", "3",
+         "--batch", "1,2", "--max-input", "400KiB", "--max-batch", "64", "--layer-step", "--json", str(out),
+         "--no-record"], capsys)  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert [(r["context"], r["batch"]) for r in result["rows"]] == [(200, 1), (200, 2)]
+    model = AutoModelForCausalLM.from_pretrained(str(converted_dir))
+    (budget,) = result["budget"]
+    for name in ("original", "converted"):
+        per_seq = budget[f"cache_bytes_per_sequence_{name}"]
+        assert per_seq == cache_bytes_per_sequence(model if name == "converted" else _original(converted_dir), 200, 0, torch.device("cpu"))
+        assert budget[f"batch_fits_{name}"] == 400 * 1024 // per_seq
+        assert budget[f"decode_tps_{name}"] > 0
+    assert budget["batch_fits_converted"] > budget["batch_fits_original"]
+    (step,) = result["layer_step"]
+    assert step["layers_converted"] == sum(1 for heads in HeadMap.load(converted_dir / "head_map.json").selected if heads)
+    assert step["torch_calls_original"] > 0 and step["torch_calls_converted"] > 0 and step["step_us_converted"] > 0
+    assert "One attention layer's decode step" in stdout and "within a cache budget of 0.39 MiB" in stdout
+
+
+def _original(converted_dir):
+    from rfkit.conversion.convert import load_base_model
+
+    return load_base_model(HeadMap.load(converted_dir / "head_map.json").model).eval()
 
 
 @pytest.mark.slow
