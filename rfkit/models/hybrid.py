@@ -134,10 +134,28 @@ class HybridWindowAttention(WindowAttention):
         low = max(1, self.window // 4)
         return int(torch.randint(low, self.window + 1, (), generator=self._generator))
 
+    def _log_weight(self, dtype) -> torch.Tensor:
+        """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed. Without
+        autograd it is cached until the gate or scale change (their in-place version counters)."""
+        if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
+            return (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1)
+        key = (self.gate._version, self.log_scale._version, self.gate.data_ptr(), self.log_scale.data_ptr(), dtype)
+        if getattr(self, "_log_weight_key", None) != key:
+            with torch.no_grad():
+                value = (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1)
+            self._log_weight_key, self._log_weight_value = key, value
+        return self._log_weight_value
+
+    def _maps(self, dtype) -> torch.Tensor:
+        return self.feature_map if self.feature_map.dtype == dtype else self.feature_map.to(dtype)
+
     def _mix(self, A, Z, m, a, zl):
-        """``(A + g e^{-m} a) / (Z + g e^{-m} zl)`` with ``g`` per query head, the rep axis third."""
-        g = self.old_weight().to(A.dtype).view(-1, self.rep, *([1] * (A.dim() - 3)))
-        c = g * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+        """``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` (``g`` per query head; the rep axis third,
+        queries second to last)."""
+        log_g = self._log_weight(A.dtype)
+        if A.dim() == 5:
+            log_g = log_g.unsqueeze(-1)
+        c = torch.exp(log_g - m.clamp_min(_MIN_MAX_SCORE))
         return torch.addcmul(A, c, a) / torch.addcmul(Z, c, zl)
 
     # -- tiled prefill ---------------------------------------------------------------------------
@@ -148,11 +166,12 @@ class HybridWindowAttention(WindowAttention):
         C = TILE
         nC = -(-L // C)
         pad = nC * C - L
-        maps = self._group_maps().to(q.dtype)
+        maps = self._group_maps()
+        maps = maps if maps.dtype == q.dtype else maps.to(q.dtype)
         qg = self._grouped_queries(q)  # (B, G, rep, L, hd)
         phi_q = _phi(qg @ maps[None, :, None])  # (B, G, rep, L, f)
         old_k, old_v = ctx["rec_k"][:, :, :L], ctx["rec_v"][:, :, :L]  # ranks seen - w + i
-        phi_k = _phi(old_k @ self.feature_map.to(q.dtype)[None]) * ctx["rec_valid"][:L, None].to(q.dtype)
+        phi_k = _phi(old_k @ self._maps(q.dtype)[None]) * ctx["rec_valid"][:L, None].to(q.dtype)
         ctx["fold"] = (phi_k, old_v)  # what the next state adds to S and z
         phi_k, old_v = self._groups(phi_k), self._groups(old_v)
         S0, z0 = self._groups(state[3]), self._groups(state[4])
@@ -185,17 +204,18 @@ class HybridWindowAttention(WindowAttention):
         keys, values, seen, S, z = state
         if rows is None:  # steady state: every row evicts a real old token
             k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
-            phi = _phi(k_old.unsqueeze(2) @ self.feature_map.to(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
+            phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
         else:
             k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
-            phi = _phi(k_old.unsqueeze(2) @ self.feature_map.to(k_old.dtype))[:, :, 0]
+            phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]
             phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
         S.addcmul_(phi.unsqueeze(-1), v_old.unsqueeze(-2))
         z.add_(phi)
 
     def _step_combine(self, A, Z, m, qg, state):
         S, z = self._groups(state[3]), self._groups(state[4])
-        phi_q = _phi(qg @ self._group_maps().to(qg.dtype))  # (B, G, rep, f)
+        maps = self._group_maps()
+        phi_q = _phi(qg @ (maps if maps.dtype == qg.dtype else maps.to(qg.dtype)))  # (B, G, rep, f)
         a = phi_q @ S  # (B, G, rep, hd)
         zl = phi_q @ z.unsqueeze(-1)
         return self._mix(A, Z, m, a, zl)

@@ -1,0 +1,186 @@
+"""The window mixers' inference paths (one-token step over a ring buffer, tiled prefill) against
+the general rank-masked path and a naive masked attention with the recurrence written out, in
+float64: across tile, window and prefill-piece boundaries, with left padding, for the hybrid with
+its gate open and closed, and without a sink."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import packed, random_ids, tiny_model
+
+import rfkit.models.window as window_module
+from rfkit.models.hybrid import HybridWindowAttention
+from rfkit.models.modeling import to_recurformer
+from rfkit.models.operators import HybridOperator, SinkRecentOperator
+from rfkit.models.window import WindowAttention
+
+KVQ = [0, 0, 1, 1]  # grouped GQA: two query heads per KV head
+HD, W = 8, 7
+
+
+def block(kind: str, sink: int, kvq=KVQ) -> WindowAttention:
+    if kind == "window":
+        return WindowAttention(kvq, HD, window=W, sink=sink).double().eval()
+    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=4).double().eval()
+    if kind == "hybrid_open":
+        with torch.no_grad():
+            b.gate.copy_(torch.linspace(0.3, 1.2, len(kvq), dtype=torch.float64))
+            b.gate[1] = 0.0  # one closed head beside open ones
+            b.log_scale.copy_(torch.linspace(-0.4, 0.6, len(kvq), dtype=torch.float64))
+    return b
+
+
+def qkv(B: int, L: int, kvq=KVQ, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hkv = max(kvq) + 1
+    make = lambda h: torch.randn(B, h, L, HD, generator=g, dtype=torch.float64)  # noqa: E731
+    return make(len(kvq)), make(hkv), make(hkv)
+
+
+def masked_reference(b: WindowAttention, q, k, v) -> torch.Tensor:
+    """Full L x L matrices: softmax over sink + window, and for the hybrid the old tokens'
+    ``g e^{-m} phi(q).phi(k)`` under the same normaliser (the module docstring's formula)."""
+    L = q.shape[2]
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    causal = j <= i
+    win = causal & ((i - j < b.window) | (j < b.sink))
+    old = causal & ~win
+    idx = torch.tensor(b.kv_for_query)
+    kq, vq = k.index_select(1, idx), v.index_select(1, idx)
+    scores = (q @ kq.transpose(-1, -2)) * b.scaling
+    m = scores.masked_fill(~win, float("-inf")).amax(-1, keepdim=True)
+    p = torch.exp(scores - m).masked_fill(~win, 0)
+    num, den = p @ vq, p.sum(-1, keepdim=True)
+    if isinstance(b, HybridWindowAttention):
+        maps = b.feature_map.index_select(0, idx)[None]  # (1, Hq, hd, f/2)
+
+        def phi(x):
+            proj = x @ maps
+            return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], -1)
+
+        lin = (phi(q) @ phi(kq).transpose(-1, -2)).masked_fill(~old, 0)
+        c = b.old_weight().detach()[None, :, None, None] * torch.exp(-m.clamp_min(-60.0))
+        num, den = num + c * (lin @ vq), den + c * lin.sum(-1, keepdim=True)
+    y = num / den
+    return y.transpose(1, 2).reshape(q.shape[0], L, -1)
+
+
+KINDS = ["window", "hybrid_open", "hybrid_closed"]
+LENGTHS = [W - 1, W, W + 1, 2 * W + 3, 1025]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiled_prefill_and_steps_match_the_masked_reference(kind, sink, length, monkeypatch):
+    b = block(kind, sink)
+    q, k, v = qkv(2, length, seed=length + sink)
+    want = masked_reference(b, q, k, v)
+    with torch.no_grad():
+        full, state = b.attend(q, k, v, return_states=True)
+        torch.testing.assert_close(full, want, rtol=1e-10, atol=1e-10)
+        # the general path leaves the same state
+        _, general_state = b._general(q, k, v, (), None, b.window, True)
+        for got, expected in zip(state, general_state):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        # many small pieces and tiles, carrying the state, give the one-piece result
+        monkeypatch.setattr(window_module, "PREFILL_CHUNK", 5)
+        monkeypatch.setattr(window_module, "TILE", 3)
+        import rfkit.models.hybrid
+
+        monkeypatch.setattr(rfkit.models.hybrid, "TILE", 3)
+        pieces, piece_state = b.attend(q, k, v, return_states=True)
+        torch.testing.assert_close(pieces, full, rtol=1e-10, atol=1e-10)
+        for got, expected in zip(piece_state, state):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        monkeypatch.undo()
+        # a prefill, then one token at a time (the last 40 at most)
+        cut = max(0, length - 40) if length > 40 else length // 2
+        if cut:
+            out, st = b.attend(*(t[:, :, :cut] for t in (q, k, v)), return_states=True)
+            outs = [out]
+        else:
+            st, outs = b.empty_state(2, q.device, q.dtype), []
+        for t in range(cut, length):
+            out, *st = b.step_qkv(*(x[:, :, t : t + 1] for x in (q, k, v)), *st)
+            outs.append(out)
+        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+        for got, expected in zip(st, state):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_padded_rows_match_the_unpadded_prompt_then_decode_together(kind):
+    """Row 1 is left padded by 5: its outputs and state are those of its real tokens alone, and
+    the batch then decodes in step with per-row counts (not the steady-state fast case)."""
+    b = block(kind, sink=2)
+    q, k, v = qkv(2, 2 * W + 3, seed=9)
+    mask = torch.ones(2, q.shape[2], dtype=torch.long)
+    mask[1, :5] = 0
+    tail = qkv(2, 2 * W, seed=10)
+    with torch.no_grad():
+        out, state = b.attend(q, k, v, return_states=True, mask=mask)
+        for row, pad in ((0, 0), (1, 5)):
+            alone, alone_state = b.attend(*(t[row : row + 1, :, pad:] for t in (q, k, v)), return_states=True)
+            torch.testing.assert_close(out[row : row + 1, pad:], alone, rtol=1e-10, atol=1e-10)
+            for got, expected in zip(state, alone_state):
+                torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-10, atol=1e-10)
+        assert torch.all(out[1, :5] == 0)
+        assert state[2].tolist() == [2 * W + 3, 2 * W - 2]
+        general_state = b._general(q, k, v, (), mask, b.window, True)[1]
+        st = [t.clone() for t in state]
+        for t in range(tail[0].shape[2]):
+            one = [x[:, :, t : t + 1] for x in tail]
+            got, *st = b.step_qkv(*one, *st)
+            want, general_state = b._general(*one, general_state, None, b.window, True)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for got, expected in zip(st, general_state):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_uneven_query_groups_take_the_same_paths():
+    """Query heads not evenly grouped over KV heads (kv_for_query [0, 0, 1]): keys are gathered per
+    query head, with the same results."""
+    kvq = [0, 0, 1]
+    b = block("hybrid_open", sink=2, kvq=kvq)
+    q, k, v = qkv(1, 40, kvq=kvq, seed=3)
+    with torch.no_grad():
+        full, state = b.attend(q, k, v, return_states=True)
+        torch.testing.assert_close(full, masked_reference(b, q, k, v), rtol=1e-10, atol=1e-10)
+        out, *state = b.step_qkv(*qkv(1, 1, kvq=kvq, seed=4), *state)
+        q2, k2, v2 = (torch.cat([a, c], 2) for a, c in zip((q, k, v), qkv(1, 1, kvq=kvq, seed=4)))
+        torch.testing.assert_close(out, masked_reference(b, q2, k2, v2)[:, -1:], rtol=1e-10, atol=1e-10)
+
+
+def test_the_step_writes_its_state_in_place():
+    """A decode step allocates no new state: the same tensors come back, updated."""
+    b = block("hybrid_open", sink=2)
+    q, k, v = qkv(1, 3 * W, seed=5)
+    with torch.no_grad():
+        _, state = b.attend(q, k, v, return_states=True)
+        pointers = [t.data_ptr() for t in state]
+        _, *after = b.step_qkv(*qkv(1, 1, seed=6), *state)
+    assert [t.data_ptr() for t in after] == pointers
+    assert after[2].tolist() == [3 * W + 1]
+
+
+@pytest.mark.parametrize("operator", [HybridOperator(sink=2, window=5, feature_dim=4), SinkRecentOperator(sink=2, window=5)])
+def test_generate_is_identical_through_the_general_path(operator, monkeypatch):
+    """Greedy tokens of ``generate`` (left-padded batch) equal those of the general path."""
+    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], operator).double().eval()
+    for m in model.modules():
+        if isinstance(m, HybridWindowAttention):
+            with torch.no_grad():
+                m.gate.fill_(0.8)
+    ids = random_ids(2, 20, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    fast = model.generate(ids, **kwargs)
+    logits_fast = model(ids, attention_mask=mask).logits
+    monkeypatch.setattr(WindowAttention, "fast", False)
+    general = model.generate(ids, **kwargs)
+    logits_general = model(ids, attention_mask=mask).logits
+    assert torch.equal(fast, general)
+    torch.testing.assert_close(logits_fast[mask.bool()], logits_general[mask.bool()], rtol=1e-9, atol=1e-9)
