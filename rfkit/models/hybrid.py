@@ -146,6 +146,20 @@ class HybridWindowAttention(WindowAttention):
             self._log_weight_key, self._log_weight_value = key, value
         return self._log_weight_value
 
+    def kernel_weights(self) -> torch.Tensor:
+        """``g`` per query head as contiguous float32 (the compiled step reads it), cached like
+        :meth:`_log_weight`."""
+        key = (self.gate._version, self.log_scale._version, self.gate.data_ptr(), self.log_scale.data_ptr())
+        if getattr(self, "_kernel_weights_key", None) != key:
+            with torch.no_grad():
+                self._kernel_weights_value = self.old_weight().to(torch.float32).contiguous()
+            self._kernel_weights_key = key
+        return self._kernel_weights_value
+
+    def _kernel_ready(self, q: torch.Tensor, state) -> bool:
+        fmap = self.feature_map
+        return fmap.dtype == torch.float32 and fmap.device.type == "cpu" and fmap.is_contiguous() and super()._kernel_ready(q, state)
+
     def _maps(self, dtype) -> torch.Tensor:
         return self.feature_map if self.feature_map.dtype == dtype else self.feature_map.to(dtype)
 

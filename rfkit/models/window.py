@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfkit.ops import cpu_kernels
+
 # Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
 # 32 measured fastest on the 2-core CPU at window 56 (16: the same, 64: +12%, 128: +47%).
 TILE = 32
@@ -86,6 +88,9 @@ class WindowAttention(nn.Module):
 
     #: False sends inference through the general rank-masked path too (tests compare the two)
     fast: bool = True
+    #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 decoding on CPU; False
+    #: keeps the PyTorch step, its twin
+    use_kernel: bool = True
 
     def __init__(self, kv_for_query: list[int], head_dim: int, window: int, sink: int = 0, scaling: float | None = None):
         super().__init__()
@@ -140,10 +145,7 @@ class WindowAttention(nn.Module):
 
     def _per_query(self, t: torch.Tensor) -> torch.Tensor:
         """(B, Hkv, ...) -> (B, Hq, ...): each query head's KV head."""
-        key = t.device
-        if key not in self._gather:
-            self._gather[key] = torch.tensor(self.kv_for_query, dtype=torch.long, device=t.device)
-        return t.index_select(1, self._gather[key])
+        return t.index_select(1, self._per_query_index(t.device))
 
     def _groups(self, t: torch.Tensor) -> torch.Tensor:
         """KV-head tensor (B, Hkv, ...) -> (B, G, ...), one entry per query group."""
@@ -326,6 +328,11 @@ class WindowAttention(nn.Module):
             out, new = self._general(q, k, v, state, None, self.window, True)  # keep autograd intact
             return (out, *new)
         B = q.shape[0]
+        if self._kernel_ready(q, state):
+            hd = self.head_dim
+            one = (t.reshape(B, -1, hd).contiguous() for t in (q, k, v))
+            y = cpu_kernels.window_step_cpu(self, *one, state)
+            return (y.view(B, 1, self.d_out), *state)
         keys, values, seen = state[0], state[1], state[2]
         s, w = self.sink, self.window
         steady = None
@@ -358,6 +365,23 @@ class WindowAttention(nn.Module):
         y = self._step_combine(A, Z, m, qg, state)
         seen.add_(1)
         return (y.reshape(B, 1, self.d_out), *state)
+
+    def _kernel_ready(self, q: torch.Tensor, state) -> bool:
+        """The compiled step applies: float32 inference on CPU, contiguous state, kernel built."""
+        if not self.use_kernel or q.device.type != "cpu" or q.dtype != torch.float32:
+            return False
+        if state[0].dtype != torch.float32 or state[2].dtype != torch.long or not all(t.is_contiguous() for t in state):
+            return False
+        return cpu_kernels.available()
+
+    def kernel_index(self) -> torch.Tensor:
+        """``kv_for_query`` as a CPU int64 tensor (the compiled step reads it)."""
+        return self._per_query_index(torch.device("cpu"))
+
+    def _per_query_index(self, device) -> torch.Tensor:
+        if device not in self._gather:
+            self._gather[device] = torch.tensor(self.kv_for_query, dtype=torch.long, device=device)
+        return self._gather[device]
 
     def _before_write(self, state, slot, rows) -> None:
         """Hook run before the new token overwrites ``slot`` (the hybrid folds the evicted key)."""

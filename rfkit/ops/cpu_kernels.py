@@ -1,12 +1,15 @@
-"""CPU Mamba kernels: C compiled once with the system compiler, called via ctypes.
+"""CPU kernels (Mamba scan and step, window-mixer step): C compiled once with the system
+compiler, called via ctypes.
 
 On CPU, a selective scan written in PyTorch ops pays for several passes over a
 (batch, dim, length, d_state) tensor, which is memory-bound and ate more time than the
-attention it replaces at 8k context. ``kernels/selective_scan.c`` runs the recurrence token by
+attention it replaces at 8k context. ``kernels/mamba_cpu.c`` runs the recurrence token by
 token with the state in registers and the d_state loop vectorised (glibc's vector ``expf``),
 which is more than 10x faster on the dev CPU. The same file has the whole decode step between
 ``in_proj`` and ``out_proj`` in one call, instead of about 25 small PyTorch ops per layer and
-token (their dispatch overhead, not their arithmetic, was the cost).
+token (their dispatch overhead, not their arithmetic, was the cost). ``kernels/window_cpu.c`` does
+the same for the decode step of the window and hybrid mixers (write the ring slot, fold the
+evicted key, attend, add the state), about 35 PyTorch ops per layer and token in one call.
 
 * Built on first use with ``$CC`` (default ``cc``), cached under ``<rfkit cache>/kernels``
   keyed by the source, the flags and the machine, and renamed into place, so concurrent
@@ -34,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "mamba_cpu.c"
+_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -48,7 +51,7 @@ def _library_path() -> Path:
 
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha1(
-        "\0".join([_SOURCE.read_text(), cc, *_FLAGS, platform.machine(), platform.node(), _cpu_flags()]).encode()
+        "\0".join([*(src.read_text() for src in _SOURCES), cc, *_FLAGS, platform.machine(), platform.node(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"mamba_cpu-{key}.so"
 
@@ -71,7 +74,7 @@ def _build(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *_FLAGS, "-o", str(tmp), *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=120
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {' '.join(proc.stderr.split())[:300]}")
@@ -98,6 +101,8 @@ def _load():
             lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
             lib.rf_mamba_step_f32.restype = ctypes.c_int
             lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
+            lib.rf_window_step_f32.restype = ctypes.c_int
+            lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 7 + [ctypes.c_float]
             _state["lib"] = lib
         except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
             _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -194,3 +199,28 @@ def mamba_step_cpu(block, xz: torch.Tensor, conv_state: torch.Tensor, ssm_state:
     if rc != 0:
         raise MemoryError("rf_mamba_step_f32 could not allocate its work buffer")
     return y
+
+
+def window_step_cpu(block, q, k, v, state) -> torch.Tensor:
+    """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
+    hybrid subclass): ``q`` (B, Hq, hd), ``k`` / ``v`` (B, Hkv, hd), contiguous float32; the state
+    (contiguous float32 buffers, int64 counts) is updated in place. Returns (B, Hq, hd).
+
+    The caller (``WindowAttention._kernel_ready``) has checked dtypes, devices and layouts."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
+    keys, values, seen = state[0], state[1], state[2]
+    hybrid = len(state) > 3
+    out = torch.empty(q.shape, dtype=torch.float32)
+    S, z = (state[3], state[4]) if hybrid else (None, None)
+    rc = lib.rf_window_step_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(),
+        None if S is None else S.data_ptr(), None if z is None else z.data_ptr(),
+        block.feature_map.data_ptr() if hybrid else None, block.kernel_weights().data_ptr() if hybrid else None,
+        block.kernel_index().data_ptr(), out.data_ptr(), q.shape[0], block.num_heads, block.num_kv_heads,
+        block.head_dim, block.sink, block.window, block.feature_dim if hybrid else 0, block.scaling,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("rf_window_step_f32 could not allocate its work buffer")
+    return out

@@ -184,3 +184,39 @@ def test_generate_is_identical_through_the_general_path(operator, monkeypatch):
     logits_general = model(ids, attention_mask=mask).logits
     assert torch.equal(fast, general)
     torch.testing.assert_close(logits_fast[mask.bool()], logits_general[mask.bool()], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_step_matches_the_pytorch_step(kind, sink, monkeypatch):
+    """float32 on CPU decodes through rfkit/ops/kernels/window_cpu.c: the same outputs and state
+    as the PyTorch step, from an empty state (sink and ring filling up) and from a left-padded
+    prefill (rows at different counts), for 3 W tokens."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    b = block(kind, sink).float()
+    q, k, v = (t.float() for t in qkv(2, 2 * W + 3, seed=11))
+    mask = torch.ones(2, q.shape[2], dtype=torch.long)
+    mask[1, :4] = 0
+    steps = [tuple(t.float() for t in qkv(2, 1, seed=20 + i)) for i in range(3 * W)]
+    calls = []
+    compiled = cpu_kernels.window_step_cpu
+    monkeypatch.setattr(cpu_kernels, "window_step_cpu", lambda *a: calls.append(1) or compiled(*a))
+    with torch.no_grad():
+        for start in ("empty", "padded"):
+            if start == "empty":
+                state = b.empty_state(2, q.device, torch.float32)
+            else:
+                state = b.attend(q, k, v, return_states=True, mask=mask)[1]
+            mine, theirs = [t.clone() for t in state], [t.clone() for t in state]
+            for one in steps:
+                monkeypatch.setattr(WindowAttention, "use_kernel", True)
+                got, *mine = b.step_qkv(*one, *mine)
+                monkeypatch.setattr(WindowAttention, "use_kernel", False)
+                want, *theirs = b.step_qkv(*one, *theirs)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for a, c in zip(mine, theirs):
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * len(steps)  # every kernel-side step ran the compiled code
