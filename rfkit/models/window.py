@@ -224,6 +224,10 @@ class WindowAttention(nn.Module):
 
     def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool):
         ctx = self._context(state, k, v, seen)
+        if self._kernel_ready(q, state) and not (torch.is_grad_enabled() and q.requires_grad):
+            y, linear = cpu_kernels.window_prefill_cpu(self, q, ctx, state, seen)
+            new = WindowAttention._next_state(self, state, ctx, seen, q.shape[2]) + linear if with_state else None
+            return self._output(y), new
         A, Z, m = self._window_sums(q, ctx, seen)
         y = self._combine(A, Z, m, q, ctx, state, seen)
         new = self._next_state(state, ctx, seen, q.shape[2]) if with_state else None

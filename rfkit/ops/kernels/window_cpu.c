@@ -28,12 +28,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void feature(const float *x, const float *w, int64_t hd, int64_t half, float *phi) {
+static void feature(const float *restrict x, const float *restrict w, int64_t hd, int64_t half,
+                    float *restrict phi) {
     float mx = -FLT_MAX, mn = FLT_MAX;
+    for (int64_t j = 0; j < half; ++j) phi[j] = 0.0f;
+    for (int64_t d = 0; d < hd; ++d) {
+        const float xd = x[d], *wd = w + d * half;
+        for (int64_t j = 0; j < half; ++j) phi[j] += xd * wd[j];
+    }
     for (int64_t j = 0; j < half; ++j) {
-        float acc = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) acc += x[d] * w[d * half + j];
-        phi[j] = acc;
+        const float acc = phi[j];
         if (acc > mx) mx = acc;
         if (acc < mn) mn = acc;
     }
@@ -125,5 +129,148 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
         seen[b] = n + 1;
     }
     free(work);
+    return 0;
+}
+
+/* Prefill of one chunk of L tokens, every row having `seen` tokens before it, for the rows
+ * row_begin..row_end-1 of the flattened (batch * hkv) KV heads (callers split rows over threads):
+ *
+ *   q            : (batch, hq, L, hd)           rotated queries (unscaled)
+ *   rec_k, rec_v : (batch, hkv, window + L, hd) the ring in rank order (ranks seen - window ..
+ *                                               seen - 1), then the chunk: index t has rank
+ *                                               seen - window + t
+ *   sink_k/v     : (batch, hkv, sink, hd)       sink slots, the chunk's own first tokens included
+ *   S_state, z_state (hybrid, else NULL): the state before the chunk in, after the chunk out
+ *   out          : (batch, hq, L, hd)
+ *
+ * Query i (rank r = seen + i) attends to the sink slots j <= r and to the recent indices
+ * i+1 .. i+window of rank >= sink; before it, the token of rank r - window (index i) is folded
+ * into the state when its rank is >= sink. Same formula as rf_window_step_f32.
+ */
+/* One query head's output at head width HD known at compile time, so the query and the output
+ * stay in registers and every key is read once: softmax over the sink slots (sk, sv, nsink) and
+ * the recent keys (rk, rv, nw), plus, when S is given (hybrid, open gate), the state's share
+ * c phi(q) S with c = g exp(-max(m, -60)), under one normaliser. p: scratch of nsink + nw. */
+#define RF_WINDOW_QUERY(NAME, HD_DECL, HD)                                                            \
+    static void NAME(const float *qh, const float *sk, const float *sv, int64_t nsink,               \
+                     const float *rk, const float *rv, int64_t nw, float scaling, float *p, float *y,  \
+                     float gh, const float *fm, int64_t half, const float *S, const float *z,        \
+                     float *phi HD_DECL) {                                                             \
+        float qs[HD], acc[HD];                                                                         \
+        for (int64_t d = 0; d < HD; ++d) { qs[d] = qh[d] * scaling; acc[d] = 0.0f; }                   \
+        float m = -FLT_MAX;                                                                            \
+        for (int64_t t = 0; t < nsink + nw; ++t) {                                                     \
+            const float *kt = t < nsink ? sk + t * HD : rk + (t - nsink) * HD;                         \
+            float dot = 0.0f;                                                                          \
+            for (int64_t d = 0; d < HD; ++d) dot += qs[d] * kt[d];                                     \
+            p[t] = dot;                                                                                \
+            m = dot > m ? dot : m;                                                                     \
+        }                                                                                              \
+        float Z = 0.0f;                                                                                \
+        for (int64_t t = 0; t < nsink + nw; ++t) { p[t] = expf(p[t] - m); Z += p[t]; }                 \
+        for (int64_t t = 0; t < nsink + nw; ++t) {                                                     \
+            const float e = p[t], *vt = t < nsink ? sv + t * HD : rv + (t - nsink) * HD;               \
+            for (int64_t d = 0; d < HD; ++d) acc[d] += e * vt[d];                                      \
+        }                                                                                              \
+        if (S && gh > 0.0f) {                                                                          \
+            const float c = gh * expf(-(m > -60.0f ? m : -60.0f));                                     \
+            feature(qh, fm, HD, half, phi);                                                            \
+            float zl = 0.0f;                                                                           \
+            for (int64_t j = 0; j < 2 * half; ++j) {                                                   \
+                zl += phi[j] * z[j];                                                                   \
+                const float cj = c * phi[j], *Sj = S + j * HD;                                         \
+                for (int64_t d = 0; d < HD; ++d) acc[d] += cj * Sj[d];                                 \
+            }                                                                                          \
+            Z += c * zl;                                                                               \
+        }                                                                                              \
+        const float inv = 1.0f / Z;                                                                    \
+        for (int64_t d = 0; d < HD; ++d) y[d] = acc[d] * inv;                                          \
+    }
+RF_WINDOW_QUERY(window_query_64, , 64)
+RF_WINDOW_QUERY(window_query_128, , 128)
+/* any head width up to 256 (the arrays are sized for it; the loops run to hd) */
+
+
+static void window_query_any(const float *qh, const float *sk, const float *sv, int64_t nsink,
+                             const float *rk, const float *rv, int64_t nw, float scaling, float *p,
+                             float *y, float gh, const float *fm, int64_t half, const float *S,
+                             const float *z, float *phi, int64_t hd) {
+    float m = -FLT_MAX;
+    for (int64_t t = 0; t < nsink + nw; ++t) {
+        const float *kt = t < nsink ? sk + t * hd : rk + (t - nsink) * hd;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kt[d];
+        p[t] = dot * scaling;
+        m = p[t] > m ? p[t] : m;
+    }
+    float Z = 0.0f;
+    for (int64_t t = 0; t < nsink + nw; ++t) { p[t] = expf(p[t] - m); Z += p[t]; }
+    for (int64_t d = 0; d < hd; ++d) y[d] = 0.0f;
+    for (int64_t t = 0; t < nsink + nw; ++t) {
+        const float e = p[t], *vt = t < nsink ? sv + t * hd : rv + (t - nsink) * hd;
+        for (int64_t d = 0; d < hd; ++d) y[d] += e * vt[d];
+    }
+    if (S && gh > 0.0f) {
+        const float c = gh * expf(-(m > -60.0f ? m : -60.0f));
+        feature(qh, fm, hd, half, phi);
+        float zl = 0.0f;
+        for (int64_t j = 0; j < 2 * half; ++j) {
+            zl += phi[j] * z[j];
+            const float cj = c * phi[j], *Sj = S + j * hd;
+            for (int64_t d = 0; d < hd; ++d) y[d] += cj * Sj[d];
+        }
+        Z += c * zl;
+    }
+    const float inv = 1.0f / Z;
+    for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
+}
+
+int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v, const float *sink_k,
+                          const float *sink_v, float *S_state, float *z_state, const float *fmap,
+                          const float *g, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
+                          int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L, int64_t seen,
+                          float scaling, int64_t row_begin, int64_t row_end) {
+    const int64_t half = f / 2, nr = window + L;
+    float *p = (float *)malloc(sizeof(float) * (size_t)(sink + window + 2 * f + 2));
+    if (!p) return -1;
+    float *phi = p + sink + window;
+    for (int64_t row = row_begin; row < row_end; ++row) {
+        const int64_t b = row / hkv, kv = row % hkv;
+        const float *rk = rec_k + row * nr * hd, *rv = rec_v + row * nr * hd;
+        const float *sk = sink_k + row * sink * hd, *sv = sink_v + row * sink * hd;
+        const float *fm = fmap ? fmap + kv * hd * half : NULL;
+        float *S = S_state ? S_state + row * f * hd : NULL, *z = z_state ? z_state + row * f : NULL;
+        for (int64_t i = 0; i < L; ++i) {
+            const int64_t r = seen + i;
+            if (S && r - window >= sink) { /* fold the token of rank r - window (index i) */
+                feature(rk + i * hd, fm, hd, half, phi);
+                const float *vo = rv + i * hd;
+                for (int64_t j = 0; j < f; ++j) {
+                    z[j] += phi[j];
+                    const float pj = phi[j];
+                    float *Sj = S + j * hd;
+                    for (int64_t d = 0; d < hd; ++d) Sj[d] += pj * vo[d];
+                }
+            }
+            /* recent indices first .. i + window (rank >= sink), sink slots 0 .. nsink - 1 */
+            const int64_t first = (sink - (seen - window) > i + 1) ? sink - (seen - window) : i + 1;
+            const int64_t nw = i + window >= first ? i + window - first + 1 : 0; /* none: rank < sink */
+            const int64_t nsink = r + 1 < sink ? r + 1 : sink;
+            const float *wk = rk + first * hd, *wv = rv + first * hd;
+            for (int64_t h = 0; h < hq; ++h) {
+                if (kvq[h] != kv) continue;
+                const float *qh = q + ((b * hq + h) * L + i) * hd;
+                float *y = out + ((b * hq + h) * L + i) * hd;
+                const float gh = S ? g[h] : 0.0f;
+                if (hd == 64)
+                    window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi);
+                else if (hd == 128)
+                    window_query_128(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi);
+                else
+                    window_query_any(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
+            }
+        }
+    }
+    free(p);
     return 0;
 }
