@@ -211,12 +211,15 @@ class WindowAttention(nn.Module):
         return y, tuple(torch.cat(parts, 0) for parts in zip(*rows))
 
     def _prefill(self, q, k, v, state, seen: int, return_states: bool):
-        """Tiled prefill of one chunk, every row having ``seen`` tokens before it."""
+        """Tiled prefill of one chunk, every row having ``seen`` tokens before it. The PyTorch
+        tiles run in pieces of PREFILL_CHUNK tokens; the compiled kernel, whose memory does not
+        grow with the length, takes the chunk whole."""
         outs = []
         L = q.shape[2]
-        for start in range(0, L, PREFILL_CHUNK):
-            piece = slice(start, start + PREFILL_CHUNK)
-            last = start + PREFILL_CHUNK >= L
+        piece_len = L if self._kernel_ready(q, state) else PREFILL_CHUNK
+        for start in range(0, L, piece_len):
+            piece = slice(start, start + piece_len)
+            last = start + piece_len >= L
             y, state = self._prefill_piece(q[:, :, piece], k[:, :, piece], v[:, :, piece], state, seen + start, return_states or not last)
             outs.append(y)
         y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
@@ -227,7 +230,7 @@ class WindowAttention(nn.Module):
         if self._kernel_ready(q, state) and not (torch.is_grad_enabled() and q.requires_grad):
             y, linear = cpu_kernels.window_prefill_cpu(self, q, ctx, state, seen)
             new = WindowAttention._next_state(self, state, ctx, seen, q.shape[2]) + linear if with_state else None
-            return self._output(y), new
+            return y, new
         A, Z, m = self._window_sums(q, ctx, seen)
         y = self._combine(A, Z, m, q, ctx, state, seen)
         new = self._next_state(state, ctx, seen, q.shape[2]) if with_state else None

@@ -105,7 +105,7 @@ def _load():
             lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 7 + [ctypes.c_float]
             lib.rf_window_prefill_f32.restype = ctypes.c_int
             lib.rf_window_prefill_f32.argtypes = (
-                [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 2
+                [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int64] * 2
             )
             _state["lib"] = lib
         except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
@@ -232,27 +232,30 @@ def window_step_cpu(block, q, k, v, state) -> torch.Tensor:
 
 @torch.no_grad()
 def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
-    """Prefill of one chunk through a window mixer: ``q`` (B, Hq, L, hd) float32, ``ctx`` the
-    block's context of the chunk (sink keys, recent keys in rank order), ``state`` the state
-    before it, every row at ``seen`` tokens. Returns ``(y (B, Hq, L, hd), (S, z))`` for the
-    hybrid (the linear-attention state after the chunk), ``(y, ())`` for plain window attention.
-    The KV heads are split over ``torch.get_num_threads()`` threads."""
+    """Prefill of one chunk through a window mixer: ``q`` (B, Hq, L, hd) float32 (any strides
+    with contiguous channels), ``ctx`` the block's context of the chunk (sink keys, recent keys
+    in rank order), ``state`` the state before it, every row at ``seen`` tokens. Returns
+    ``(y (B, L, Hq * hd), (S, z))`` for the hybrid (the linear-attention state after the
+    chunk), ``(y, ())`` for plain window attention. The KV heads are split over
+    ``torch.get_num_threads()`` threads."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
     f32 = torch.float32
     hybrid = len(state) > 3
     B, _, L, _ = q.shape
-    q = q.to(f32).contiguous()
+    q = q.to(f32)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     parts = [ctx[name].to(f32).contiguous() for name in ("rec_k", "rec_v", "sink_k", "sink_v")]
     S = state[3].to(f32).clone().contiguous() if hybrid else None
     z = state[4].to(f32).clone().contiguous() if hybrid else None
-    out = torch.empty(q.shape, dtype=f32)
+    out = torch.empty(B, L, block.num_heads * block.head_dim, dtype=f32)
     args = [q.data_ptr(), *(t.data_ptr() for t in parts), _ptr(S), _ptr(z),
             _ptr(block.feature_map.detach().to(f32).contiguous()) if hybrid else None,
             block.kernel_weights().data_ptr() if hybrid else None, block.kernel_index().data_ptr(), out.data_ptr(),
             block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window,
-            block.feature_dim if hybrid else 0, L, seen, block.scaling]  # fmt: skip
+            block.feature_dim if hybrid else 0, L, seen, q.stride(0), q.stride(1), q.stride(2), block.scaling]  # fmt: skip
     rows = B * block.num_kv_heads
     threads = max(1, min(torch.get_num_threads(), rows))
     step = -(-rows // threads)

@@ -135,13 +135,14 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
 /* Prefill of one chunk of L tokens, every row having `seen` tokens before it, for the rows
  * row_begin..row_end-1 of the flattened (batch * hkv) KV heads (callers split rows over threads):
  *
- *   q            : (batch, hq, L, hd)           rotated queries (unscaled)
+ *   q            : (batch, hq, L, hd)           rotated queries (unscaled), any strides given as
+ *                                               q_sb, q_sh, q_sl (elements; channels contiguous)
  *   rec_k, rec_v : (batch, hkv, window + L, hd) the ring in rank order (ranks seen - window ..
  *                                               seen - 1), then the chunk: index t has rank
  *                                               seen - window + t
  *   sink_k/v     : (batch, hkv, sink, hd)       sink slots, the chunk's own first tokens included
  *   S_state, z_state (hybrid, else NULL): the state before the chunk in, after the chunk out
- *   out          : (batch, hq, L, hd)
+ *   out          : (batch, L, hq, hd)           the layout the layer's output projection reads
  *
  * Query i (rank r = seen + i) attends to the sink slots j <= r and to the recent indices
  * i+1 .. i+window of rank >= sink; before it, the token of rank r - window (index i) is folded
@@ -229,7 +230,8 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                           const float *sink_v, float *S_state, float *z_state, const float *fmap,
                           const float *g, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
                           int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L, int64_t seen,
-                          float scaling, int64_t row_begin, int64_t row_end) {
+                          int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling, int64_t row_begin,
+                          int64_t row_end) {
     const int64_t half = f / 2, nr = window + L;
     float *p = (float *)malloc(sizeof(float) * (size_t)(sink + window + 2 * f + 2));
     if (!p) return -1;
@@ -259,8 +261,8 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
             const float *wk = rk + first * hd, *wv = rv + first * hd;
             for (int64_t h = 0; h < hq; ++h) {
                 if (kvq[h] != kv) continue;
-                const float *qh = q + ((b * hq + h) * L + i) * hd;
-                float *y = out + ((b * hq + h) * L + i) * hd;
+                const float *qh = q + b * q_sb + h * q_sh + i * q_sl;
+                float *y = out + ((b * L + i) * hq + h) * hd;
                 const float gh = S ? g[h] : 0.0f;
                 if (hd == 64)
                     window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi);
