@@ -115,11 +115,15 @@ class RecurFormerAttention(nn.Module):
         self.kept_kv_heads, self.mixer_kv_heads = kept_kv, mixer_kv
 
         # Kept query heads per kept KV head. When every kept KV head serves the same number of
-        # kept query heads (always so for kv_group selection), attention uses GQA directly;
-        # otherwise K/V are gathered per query head.
+        # kept query heads (always so for kv_group selection), attention uses GQA directly in one
+        # call. Otherwise (head-level selection) it runs once per run of KV heads with the same
+        # group size: the kept query heads of a KV head are contiguous (both lists are sorted),
+        # so each call reads slices of the query and the cache, and the cache is never copied
+        # per query head.
         per_kv = [sum(layout.kv_head_of(h) == g for h in kept) for g in kept_kv]
         self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
         self._gather = bool(per_kv) and len(set(per_kv)) != 1
+        self._group_runs = _group_runs(per_kv) if self._gather else []
         # Index lists as plain attributes, not buffers: from_pretrained builds modules on the
         # meta device and would leave non-persistent buffers uninitialised.
         self.kv_for_query = [kept_kv.index(layout.kv_head_of(h)) for h in kept]
@@ -196,23 +200,25 @@ class RecurFormerAttention(nn.Module):
         if query is not None:
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)
-            if self._gather:
-                gather = self._index("kv_for_query", key.device)
-                key, value = key.index_select(1, gather), value.index_select(1, gather)
             attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
-            attn_out, _ = attention(
-                self,
-                query,
-                key,
-                value,
-                attention_mask,
+            settings = dict(
                 dropout=0.0 if not self.training else self.attention_dropout,
                 scaling=self.scaling,
                 sliding_window=self.sliding_window,
                 **kwargs,
             )
+            if not self._gather:
+                attn_out, _ = attention(self, query, key, value, attention_mask, **settings)
+            else:
+                parts = []
+                for (q0, q1), (k0, k1), groups in self._group_runs:
+                    part, _ = attention(
+                        _Groups(self, groups), query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask, **settings
+                    )
+                    parts.append(part)
+                attn_out = torch.cat(parts, dim=2)  # (B, L, Hq_kept, hd), heads in kept order
             outputs.append(attn_out.reshape(B, L, -1))  # (B, L, Hq_kept * hd)
         elif past_key_values is not None:
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
@@ -302,6 +308,30 @@ class RecurFormerAttention(nn.Module):
             out, state = forward(*args, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
         return out
+
+
+def _group_runs(per_kv: list[int]) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
+    """Consecutive kept KV heads with the same number of query heads, as
+    ``((first query, end), (first KV head, end), query heads per KV head)``."""
+    runs, q0, k0 = [], 0, 0
+    for k, n in enumerate(per_kv + [None]):
+        if k == len(per_kv) or n != per_kv[k0]:
+            size = per_kv[k0]
+            q1 = q0 + size * (k - k0)
+            runs.append(((q0, q1), (k0, k), size))
+            q0, k0 = q1, k
+    return runs
+
+
+class _Groups:
+    """The layer as the attention interface sees it, with another GQA group size (one call of a
+    head-level selection whose KV heads serve different numbers of query heads)."""
+
+    def __init__(self, layer: nn.Module, groups: int):
+        self._layer, self.num_key_value_groups = layer, groups
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
 
 
 class _HeadlessDynamicLayer(DynamicLayer):

@@ -268,3 +268,28 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, sink, length, head_d
     assert calls  # the compiled prefill ran
     for a, c in zip(got, want):  # float32 sums over up to 1,025 tokens in another order
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_uneven_kept_groups_attend_per_run_of_equal_groups_without_copying_the_cache(monkeypatch):
+    """Head-level selection leaves KV heads with different numbers of kept query heads: attention
+    runs once per run of equal group sizes on slices of the cache (no index_select per query
+    head), and the converted model with a window longer than the input is still the original."""
+    from rfkit.models.modeling import RecurFormerAttention, _group_runs
+
+    assert _group_runs([3, 3, 1, 2, 2]) == [((0, 6), (0, 2), 3), ((6, 7), (2, 3), 1), ((7, 11), (3, 5), 2)]
+    original = tiny_model("llama", num_heads=4, num_kv_heads=2)
+    import copy
+
+    model = to_recurformer(copy.deepcopy(original), [[1], [0, 3]], SinkRecentOperator(sink=0, window=64)).eval()
+    layer = model.model.layers[0].self_attn
+    assert isinstance(layer, RecurFormerAttention) and layer._group_runs == [((0, 1), (0, 1), 1), ((1, 3), (1, 2), 2)]
+    copies = []
+    real_index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, *a: copies.append(t.shape) or real_index_select(t, *a))
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-4, atol=1e-4)
+        out = model(ids[:, :20], use_cache=True)
+        step = model(ids[:, 20:21], past_key_values=out.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], original(ids[:, :21]).logits[:, -1], rtol=1e-4, atol=1e-4)
+    assert not [shape for shape in copies if len(shape) == 4 and shape[2] >= 20]  # no cache-sized gather
