@@ -1,0 +1,89 @@
+"""Render the README's speed and memory tables of the trained default from their result files.
+
+    python benchmarks/speed_tables.py [benchmarks/results/speed_smollm2_b05_fast]
+
+Reads the JSON that ``rfkit bench speed`` / ``rfkit bench cache`` wrote into the folder
+(``speed.json``, ``speed_batch4.json``, ``speed_budget.json``, ``cache.json``) and prints the two
+Markdown tables. ``tests/test_readme_numbers.py`` checks that the README holds them verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULT = Path(__file__).resolve().parent / "results" / "speed_smollm2_b05_fast"
+
+
+def _load(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+def _pair(a: float, b: float, fmt: str) -> str:
+    return f"{a:{fmt}} -> {b:{fmt}} ({b / a:.2f}x)"
+
+
+def speed_table(folder: Path = DEFAULT) -> str:
+    speed = _load(folder, "speed.json")
+    batch4 = _load(folder, "speed_batch4.json")
+    contexts = [r["context"] for r in speed["rows"]]
+    head = "| tokens/s, original -> converted (ratio) | " + " | ".join(f"{c:,} tokens" for c in contexts) + " |"
+    lines = [head, "|---|" + "---:|" * len(contexts)]
+    for phase in ("prefill", "decode"):
+        cells = [_pair(r[f"{phase}_tps_original"], r[f"{phase}_tps_converted"], ".1f" if phase == "prefill" else ".2f") for r in speed["rows"]]
+        lines.append(f"| {phase}, batch 1 | " + " | ".join(cells) + " |")
+    by_context = {r["context"]: r for r in batch4["rows"]}
+    cells = [
+        _pair(by_context[c]["decode_tps_original"], by_context[c]["decode_tps_converted"], ".2f") if c in by_context else "-"
+        for c in contexts
+    ]
+    lines.append("| decode, batch 4 | " + " | ".join(cells) + " |")
+    steps = {s["context"]: s for s in speed.get("layer_step", [])}
+    cells = [
+        f"{steps[c]['step_us_original']:.0f} -> {steps[c]['step_us_converted']:.0f} µs "
+        f"({steps[c]['torch_calls_original']:.0f} -> {steps[c]['torch_calls_converted']:.0f} calls)"
+        if c in steps else "-"
+        for c in contexts
+    ]  # fmt: skip
+    lines.append("| one attention layer's decode step | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(folder: Path = DEFAULT) -> str:
+    cache = _load(folder, "cache.json")
+    budget = _load(folder, "speed_budget.json")
+    mib = 2**20
+    lines = ["| measure | original | converted | ratio |", "|---|---:|---:|---:|"]
+    for r in cache["rows"]:
+        if r["l_g"] in (1024, 10240):
+            a, b = r["cache_bytes_original"] / mib, r["cache_bytes_converted"] / mib
+            lines.append(f"| cache after {r['l_g']:,} tokens (MiB) | {a:,.2f} | {b:,.2f} | {b / a:.3f} |")
+    for r in cache["rows"]:
+        a, b = r["prefill_peak_bytes_original"] / mib, r["prefill_peak_bytes_converted"] / mib
+        lines.append(f"| prefill peak of {r['l_g']:,} tokens (MiB) | {a:,.2f} | {b:,.2f} | {b / a:.3f} |")
+    mi = cache["max_input"]
+    a, b = mi["original"]["max_input"], mi["converted"]["max_input"]
+    lines.append(f"| longest prompt within a {cache['max_input_budget_bytes'] / mib:.0f} MiB prefill peak (tokens) | {a:,} | {b:,} | {b / a:.2f} |")
+    for r in budget["budget"]:
+        a, b = r["batch_fits_original"], r["batch_fits_converted"]
+        lines.append(
+            f"| sequences of {r['context']:,} tokens whose cache fits {r['budget_bytes'] / mib:.0f} MiB | {a} | {b} | {b / a:.2f} |"
+        )
+        lines.append(
+            f"| decode tokens/s at that batch ({r['batch_original']} vs {r['batch_converted']}) | "
+            f"{r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | {r['throughput_ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0]) if argv else DEFAULT
+    print(speed_table(folder))
+    print()
+    print(memory_table(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
