@@ -12,6 +12,7 @@ import inspect
 
 import torch
 from transformers import LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
 
 _STATE_ATTR = "rfkit_mixer_states"
 #: the name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
@@ -69,3 +70,30 @@ def measure_cache(model, input_ids: torch.Tensor) -> dict:
     measured["tokens"] = tokens
     measured["kv_bytes_per_token"] = measured["kv"] / tokens
     return measured
+
+
+class _HeadlessDynamicLayer(DynamicLayer):
+    """The ``DynamicLayer`` of a layer with no kept heads: its K/V have zero heads.
+
+    ``DynamicLayer.get_seq_length`` answers 0 for empty (``numel() == 0``) tensors, so a
+    zero-head layer would report an empty cache. When that layer is layer 0, which is the one the
+    model asks for the past length, positions of later chunks restart at 0 (when ``position_ids``
+    are not given) and the 4-D mask built for decode steps covers 1 key instead of all of them
+    (left-padded ``generate`` then attends to pad tokens). This layer reports the number of tokens
+    recorded instead; everything else (crop, reorder, reset) is ``DynamicLayer``'s.
+    """
+
+    def get_seq_length(self) -> int:
+        keys = self.keys if self.is_initialized else None
+        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+
+
+def count_headless_tokens(cache, layer_idx: int) -> None:
+    """Make the cache layer of a no-kept-heads layer count its tokens (see _HeadlessDynamicLayer).
+
+    Only plain ``DynamicLayer`` needs it: static and sliding layers count with
+    ``cumulative_length`` already.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
+        layers[layer_idx].__class__ = _HeadlessDynamicLayer

@@ -57,3 +57,27 @@ class AttentionLayout:
                 f"model.base_model: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}"
             )
         return cls(model_type, config.num_hidden_layers, num_heads, num_kv, head_dim, config.hidden_size)
+
+
+def group_runs(per_kv: list[int]) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
+    """Consecutive kept KV heads with the same number of query heads, as
+    ``((first query, end), (first KV head, end), query heads per KV head)``."""
+    runs, q0, k0 = [], 0, 0
+    for k, n in enumerate(per_kv + [None]):
+        if k == len(per_kv) or n != per_kv[k0]:
+            size = per_kv[k0]
+            q1 = q0 + size * (k - k0)
+            runs.append(((q0, q1), (k0, k), size))
+            q0, k0 = q1, k
+    return runs
+
+
+class GroupView:
+    """The layer as the attention interface sees it, with another GQA group size (one call of a
+    head-level selection whose KV heads serve different numbers of query heads)."""
+
+    def __init__(self, layer, groups: int):
+        self._layer, self.num_key_value_groups = layer, groups
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)

@@ -43,12 +43,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
 
-from rfkit.models.cache import CACHE_ARG, mixer_state_store
-from rfkit.models.layout import AttentionLayout
+from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_state_store
+from rfkit.models.layout import AttentionLayout, GroupView, group_runs
 from rfkit.models.operators import ReplacementOperator
 
 log = logging.getLogger(__name__)
@@ -114,16 +113,13 @@ class RecurFormerAttention(nn.Module):
         self.kept_heads, self.replaced_heads = kept, replaced
         self.kept_kv_heads, self.mixer_kv_heads = kept_kv, mixer_kv
 
-        # Kept query heads per kept KV head. When every kept KV head serves the same number of
-        # kept query heads (always so for kv_group selection), attention uses GQA directly in one
-        # call. Otherwise (head-level selection) it runs once per run of KV heads with the same
-        # group size: the kept query heads of a KV head are contiguous (both lists are sorted),
-        # so each call reads slices of the query and the cache, and the cache is never copied
-        # per query head.
+        # Kept query heads per kept KV head. Equal everywhere (always so for kv_group selection):
+        # one GQA attention call. Otherwise one call per run of equal group sizes on slices of the
+        # query and the cache (both lists are sorted), never a copy of the cache per query head.
         per_kv = [sum(layout.kv_head_of(h) == g for h in kept) for g in kept_kv]
         self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
         self._gather = bool(per_kv) and len(set(per_kv)) != 1
-        self._group_runs = _group_runs(per_kv) if self._gather else []
+        self._group_runs = group_runs(per_kv) if self._gather else []
         # Index lists as plain attributes, not buffers: from_pretrained builds modules on the
         # meta device and would leave non-persistent buffers uninitialised.
         self.kv_for_query = [kept_kv.index(layout.kv_head_of(h)) for h in kept]
@@ -215,7 +211,7 @@ class RecurFormerAttention(nn.Module):
                 parts = []
                 for (q0, q1), (k0, k1), groups in self._group_runs:
                     part, _ = attention(
-                        _Groups(self, groups), query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask, **settings
+                        GroupView(self, groups), query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask, **settings
                     )
                     parts.append(part)
                 attn_out = torch.cat(parts, dim=2)  # (B, L, Hq_kept, hd), heads in kept order
@@ -224,7 +220,7 @@ class RecurFormerAttention(nn.Module):
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
             empty = hidden_states.new_zeros(B, 0, L, hd)
             past_key_values.update(empty, empty, self.layer_idx)
-            _count_headless_tokens(past_key_values, self.layer_idx)
+            count_headless_tokens(past_key_values, self.layer_idx)
         outputs.append(self._mix(mixer_qkv, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
 
@@ -308,57 +304,6 @@ class RecurFormerAttention(nn.Module):
             out, state = forward(*args, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
         return out
-
-
-def _group_runs(per_kv: list[int]) -> list[tuple[tuple[int, int], tuple[int, int], int]]:
-    """Consecutive kept KV heads with the same number of query heads, as
-    ``((first query, end), (first KV head, end), query heads per KV head)``."""
-    runs, q0, k0 = [], 0, 0
-    for k, n in enumerate(per_kv + [None]):
-        if k == len(per_kv) or n != per_kv[k0]:
-            size = per_kv[k0]
-            q1 = q0 + size * (k - k0)
-            runs.append(((q0, q1), (k0, k), size))
-            q0, k0 = q1, k
-    return runs
-
-
-class _Groups:
-    """The layer as the attention interface sees it, with another GQA group size (one call of a
-    head-level selection whose KV heads serve different numbers of query heads)."""
-
-    def __init__(self, layer: nn.Module, groups: int):
-        self._layer, self.num_key_value_groups = layer, groups
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
-
-
-class _HeadlessDynamicLayer(DynamicLayer):
-    """The ``DynamicLayer`` of a layer with no kept heads: its K/V have zero heads.
-
-    ``DynamicLayer.get_seq_length`` answers 0 for empty (``numel() == 0``) tensors, so a
-    zero-head layer would report an empty cache. When that layer is layer 0, which is the one the
-    model asks for the past length, positions of later chunks restart at 0 (when ``position_ids``
-    are not given) and the 4-D mask built for decode steps covers 1 key instead of all of them
-    (left-padded ``generate`` then attends to pad tokens). This layer reports the number of tokens
-    recorded instead; everything else (crop, reorder, reset) is ``DynamicLayer``'s.
-    """
-
-    def get_seq_length(self) -> int:
-        keys = self.keys if self.is_initialized else None
-        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
-
-
-def _count_headless_tokens(cache, layer_idx: int) -> None:
-    """Make the cache layer of a no-kept-heads layer count its tokens (see _HeadlessDynamicLayer).
-
-    Only plain ``DynamicLayer`` needs it: static and sliding layers count with
-    ``cumulative_length`` already.
-    """
-    layers = getattr(cache, "layers", None)
-    if layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
-        layers[layer_idx].__class__ = _HeadlessDynamicLayer
 
 
 # -- conversion of a loaded model -------------------------------------------------------------

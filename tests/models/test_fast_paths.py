@@ -274,9 +274,10 @@ def test_uneven_kept_groups_attend_per_run_of_equal_groups_without_copying_the_c
     """Head-level selection leaves KV heads with different numbers of kept query heads: attention
     runs once per run of equal group sizes on slices of the cache (no index_select per query
     head), and the converted model with a window longer than the input is still the original."""
-    from rfkit.models.modeling import RecurFormerAttention, _group_runs
+    from rfkit.models.layout import group_runs
+    from rfkit.models.modeling import RecurFormerAttention
 
-    assert _group_runs([3, 3, 1, 2, 2]) == [((0, 6), (0, 2), 3), ((6, 7), (2, 3), 1), ((7, 11), (3, 5), 2)]
+    assert group_runs([3, 3, 1, 2, 2]) == [((0, 6), (0, 2), 3), ((6, 7), (2, 3), 1), ((7, 11), (3, 5), 2)]
     original = tiny_model("llama", num_heads=4, num_kv_heads=2)
     import copy
 

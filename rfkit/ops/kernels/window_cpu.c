@@ -148,15 +148,17 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
  * i+1 .. i+window of rank >= sink; before it, the token of rank r - window (index i) is folded
  * into the state when its rank is >= sink. Same formula as rf_window_step_f32.
  */
-/* One query head's output at head width HD known at compile time, so the query and the output
- * stay in registers and every key is read once: softmax over the sink slots (sk, sv, nsink) and
- * the recent keys (rk, rv, nw), plus, when S is given (hybrid, open gate), the state's share
- * c phi(q) S with c = g exp(-max(m, -60)), under one normaliser. p: scratch of nsink + nw. */
-#define RF_WINDOW_QUERY(NAME, HD_DECL, HD)                                                            \
+/* One query head's output: softmax over the sink slots (sk, sv, nsink) and the recent keys (rk,
+ * rv, nw), plus, when S is given (hybrid, open gate), the state's share c phi(q) S with
+ * c = g exp(-max(m, -60)), under one normaliser. p: scratch of nsink + nw. Instantiated for head
+ * widths 64 and 128 as compile-time constants, so the query and the output stay in registers and
+ * every key is read once; window_query_any takes the width at run time (hd_arg). */
+#define RF_WINDOW_QUERY(NAME, HD)                                                                     \
     static void NAME(const float *qh, const float *sk, const float *sv, int64_t nsink,               \
                      const float *rk, const float *rv, int64_t nw, float scaling, float *p, float *y,  \
                      float gh, const float *fm, int64_t half, const float *S, const float *z,        \
-                     float *phi HD_DECL) {                                                             \
+                     float *phi, int64_t hd_arg) {                                                     \
+        (void)hd_arg;                                                                                  \
         float qs[HD], acc[HD];                                                                         \
         for (int64_t d = 0; d < HD; ++d) { qs[d] = qh[d] * scaling; acc[d] = 0.0f; }                   \
         float m = -FLT_MAX;                                                                            \
@@ -187,44 +189,9 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
         const float inv = 1.0f / Z;                                                                    \
         for (int64_t d = 0; d < HD; ++d) y[d] = acc[d] * inv;                                          \
     }
-RF_WINDOW_QUERY(window_query_64, , 64)
-RF_WINDOW_QUERY(window_query_128, , 128)
-/* any head width up to 256 (the arrays are sized for it; the loops run to hd) */
-
-
-static void window_query_any(const float *qh, const float *sk, const float *sv, int64_t nsink,
-                             const float *rk, const float *rv, int64_t nw, float scaling, float *p,
-                             float *y, float gh, const float *fm, int64_t half, const float *S,
-                             const float *z, float *phi, int64_t hd) {
-    float m = -FLT_MAX;
-    for (int64_t t = 0; t < nsink + nw; ++t) {
-        const float *kt = t < nsink ? sk + t * hd : rk + (t - nsink) * hd;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kt[d];
-        p[t] = dot * scaling;
-        m = p[t] > m ? p[t] : m;
-    }
-    float Z = 0.0f;
-    for (int64_t t = 0; t < nsink + nw; ++t) { p[t] = expf(p[t] - m); Z += p[t]; }
-    for (int64_t d = 0; d < hd; ++d) y[d] = 0.0f;
-    for (int64_t t = 0; t < nsink + nw; ++t) {
-        const float e = p[t], *vt = t < nsink ? sv + t * hd : rv + (t - nsink) * hd;
-        for (int64_t d = 0; d < hd; ++d) y[d] += e * vt[d];
-    }
-    if (S && gh > 0.0f) {
-        const float c = gh * expf(-(m > -60.0f ? m : -60.0f));
-        feature(qh, fm, hd, half, phi);
-        float zl = 0.0f;
-        for (int64_t j = 0; j < 2 * half; ++j) {
-            zl += phi[j] * z[j];
-            const float cj = c * phi[j], *Sj = S + j * hd;
-            for (int64_t d = 0; d < hd; ++d) y[d] += cj * Sj[d];
-        }
-        Z += c * zl;
-    }
-    const float inv = 1.0f / Z;
-    for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
-}
+RF_WINDOW_QUERY(window_query_64, 64)
+RF_WINDOW_QUERY(window_query_128, 128)
+RF_WINDOW_QUERY(window_query_any, hd_arg)
 
 int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v, const float *sink_k,
                           const float *sink_v, float *S_state, float *z_state, const float *fmap,
@@ -265,9 +232,9 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                 float *y = out + ((b * L + i) * hq + h) * hd;
                 const float gh = S ? g[h] : 0.0f;
                 if (hd == 64)
-                    window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi);
+                    window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
                 else if (hd == 128)
-                    window_query_128(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi);
+                    window_query_128(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
                 else
                     window_query_any(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
             }
