@@ -3,7 +3,8 @@
     python benchmarks/speed_tables.py [benchmarks/results/speed_smollm2_b05_fast]
 
 Reads the JSON that ``rfkit bench speed`` / ``rfkit bench cache`` wrote into the folder
-(``speed.json``, ``speed_batch4.json``, ``speed_budget.json``, ``cache.json``) and prints the two
+(``speed.json``, ``speed_batch4.json``, ``speed_sink_recent.json``, ``speed_budget.json``,
+``cache.json``) and prints the two
 Markdown tables. ``tests/test_readme_numbers.py`` checks that the README holds them verbatim.
 """
 
@@ -32,13 +33,21 @@ def speed_table(folder: Path = DEFAULT) -> str:
     lines = [head, "|---|" + "---:|" * len(contexts)]
     for phase in ("prefill", "decode"):
         cells = [_pair(r[f"{phase}_tps_original"], r[f"{phase}_tps_converted"], ".1f" if phase == "prefill" else ".2f") for r in speed["rows"]]
-        lines.append(f"| {phase}, batch 1 | " + " | ".join(cells) + " |")
+        lines.append(f"| trained hybrid, {phase}, batch 1 | " + " | ".join(cells) + " |")
     by_context = {r["context"]: r for r in batch4["rows"]}
     cells = [
         _pair(by_context[c]["decode_tps_original"], by_context[c]["decode_tps_converted"], ".2f") if c in by_context else "-"
         for c in contexts
     ]
-    lines.append("| decode, batch 4 | " + " | ".join(cells) + " |")
+    lines.append("| trained hybrid, decode, batch 4 | " + " | ".join(cells) + " |")
+    baseline = {r["context"]: r for r in _load(folder, "speed_sink_recent.json")["rows"]}
+    for phase in ("prefill", "decode"):
+        fmt = ".1f" if phase == "prefill" else ".2f"
+        cells = [
+            _pair(baseline[c][f"{phase}_tps_original"], baseline[c][f"{phase}_tps_converted"], fmt) if c in baseline else "-"
+            for c in contexts
+        ]
+        lines.append(f"| sink_recent(4, 64), training-free, same bytes: {phase}, batch 1 | " + " | ".join(cells) + " |")
     steps = {s["context"]: s for s in speed.get("layer_step", [])}
     cells = [
         f"{steps[c]['step_us_original']:.0f} -> {steps[c]['step_us_converted']:.0f} µs "
@@ -46,7 +55,7 @@ def speed_table(folder: Path = DEFAULT) -> str:
         if c in steps else "-"
         for c in contexts
     ]  # fmt: skip
-    lines.append("| one attention layer's decode step | " + " | ".join(cells) + " |")
+    lines.append("| trained hybrid, one attention layer's decode step | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
