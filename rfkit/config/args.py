@@ -53,7 +53,9 @@ class OneLineParser(argparse.ArgumentParser):
         raise self.error_class(self.explain(" ".join(message.split())))
 
 
-def parse_lengths(text: str, flag: str = "--lengths", *, example: str = "1024,10240", error=RFKitError) -> list[int]:
+def parse_lengths(
+    text: str, flag: str = "--lengths", *, example: str = "1024,10240", error=RFKitError, noun: str = "lengths"
+) -> list[int]:
     """``"1024,10240"`` -> ``[1024, 10240]`` (``_`` allowed as a digit separator); anything but
     positive integers is ``error``, with ``example`` as the suggestion."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
@@ -66,7 +68,7 @@ def parse_lengths(text: str, flag: str = "--lengths", *, example: str = "1024,10
         except ValueError:
             raise error(f"{flag}: '{part}' is not an integer; give positive integers like {example}") from None
         if value <= 0:
-            raise error(f"{flag}: lengths must be positive integers, got {value}")
+            raise error(f"{flag}: {noun} must be positive integers, got {value}")
         values.append(value)
     return values
 

@@ -371,7 +371,7 @@ def validate(args) -> None:
         args.budget = None if args.max_input is None else parse_bytes(args.max_input, "--max-input", error=BenchError)
     else:
         args.contexts_list = parse_lengths(args.contexts, "--contexts", error=BenchError)
-        args.batch_list = parse_lengths(args.batch, "--batch", error=BenchError)
+        args.batch_list = parse_lengths(args.batch, "--batch", example="1,4", error=BenchError, noun="batch sizes")
         args.budget = None if args.max_input is None else parse_bytes(args.max_input, "--max-input", error=BenchError)
         positive_int("--max-batch", args.max_batch, error=BenchError, message=POSITIVE_INTEGER)
         positive_int("--runs", args.runs, error=BenchError, message=POSITIVE_INTEGER)
