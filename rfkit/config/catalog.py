@@ -80,22 +80,59 @@ def recipe_path(name: str, flag: str = "NAME") -> Path:
     raise _unknown(str(name), flag, "is not a catalogue recipe")
 
 
-def resolve_config(value: str, flag: str = "--config") -> str:
+def recipe_kind(path: str | Path) -> str | None:
+    """``"eval mqar"`` or ``"fit"`` for a recipe file, read from its name and its top-level keys
+    (None when it is unreadable or neither: the command's own parser then says what is wrong).
+    A LightningCLI recipe has a ``trainer`` section or a ``model.base_model``; an ``rfkit eval
+    mqar`` config is named ``mqar_*`` or has ``train`` and ``betas`` sections; failing both, a
+    ``data`` section means a fit recipe."""
+    path = Path(path).expanduser()
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    model = config.get("model")
+    if "trainer" in config or (isinstance(model, dict) and "base_model" in model):
+        return "fit"
+    if path.stem.startswith(EVAL_MQAR_PREFIX) or ("train" in config and "betas" in config):
+        return "eval mqar"
+    return "fit" if "data" in config else None
+
+
+def check_recipe_kind(path: str, value: str, command: str) -> None:
+    """A recipe of the other kind given to ``rfkit COMMAND`` is one line naming the command that
+    reads it. ``command``: ``fit`` (and validate, test, profile, convert, sweep: they read fit
+    recipes) or ``eval mqar``."""
+    kind = recipe_kind(path)
+    wanted = "eval mqar" if command == "eval mqar" else "fit"
+    if kind is not None and kind != wanted:
+        raise CatalogError(f"{value} is an 'rfkit {kind}' recipe, not one for rfkit {command}: run rfkit {kind} --config {value}")
+
+
+def resolve_config(value: str, flag: str = "--config", command: str | None = None) -> str:
     """What ``--config VALUE`` means: ``value`` itself when it is an existing file, else the path
     (str) of the catalogue recipe it names (a bare name, ``.yaml`` optional). An existing
     directory that names no recipe is returned as given, for the caller's own message. Anything
     else is a :class:`CatalogError` that names the nearest recipes: ``'VALUE' is neither a file
     nor a catalogue recipe`` for a bare name, ``'VALUE' does not exist`` for a path with a
-    directory (``recipes/smollm2_b05.yaml`` outside the source tree suggests ``smollm2_b05``)."""
+    directory (``recipes/smollm2_b05.yaml`` outside the source tree suggests ``smollm2_b05``).
+    With ``command``, a recipe of another kind is refused (:func:`check_recipe_kind`)."""
     value = str(value)
     if not value.strip() or value.startswith("-"):
         raise CatalogError(f"{flag}: needs a recipe: a YAML file or a catalogue name such as smollm2_b05 (rfkit recipes list)")
     path = Path(value).expanduser()
     if path.is_file():
+        if command:
+            check_recipe_kind(value, value, command)
         return value
     bare_name = "/" not in value and "\\" not in value  # a path with a directory is never a name
     if bare_name and _bare(value) in recipe_names():
-        return str(recipe_path(value, flag))
+        found = str(recipe_path(value, flag))
+        if command:
+            check_recipe_kind(found, value, command)
+        return found
     if path.is_dir():
         return value
     raise _unknown(value, flag, "is neither a file nor a catalogue recipe" if bare_name else "does not exist")

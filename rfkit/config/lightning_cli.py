@@ -242,11 +242,12 @@ def resolve_config_args(args: list[str]) -> list[str]:
     from rfkit.config.catalog import resolve_config
 
     resolved = list(args)
+    command = args[0] if args and not args[0].startswith("-") else "fit"
     for i, arg in enumerate(args):
         if arg in ("--config", "-c") and i + 1 < len(args):
-            resolved[i + 1] = resolve_config(args[i + 1], flag=arg)
+            resolved[i + 1] = resolve_config(args[i + 1], flag=arg, command=command)
         elif arg.startswith("--config="):
-            resolved[i] = "--config=" + resolve_config(arg.split("=", 1)[1])
+            resolved[i] = "--config=" + resolve_config(arg.split("=", 1)[1], command=command)
     return resolved
 
 

@@ -103,9 +103,11 @@ def parse_config(argv: list[str]) -> MQARConfig:
 
         argv = list(argv)
         i = argv.index("--config")
-        if i + 1 < len(argv) and not Path(argv[i + 1]).exists():
+        if i + 1 < len(argv) and Path(argv[i + 1]).is_file():
+            resolve_config(argv[i + 1], command="eval mqar")  # a fit recipe: name the command that reads it
+        elif i + 1 < len(argv) and not Path(argv[i + 1]).exists():
             # a catalogue name (mqar_smoke) is its packaged recipe; anything else names the nearest
-            argv[i + 1] = resolve_config(argv[i + 1])
+            argv[i + 1] = resolve_config(argv[i + 1], command="eval mqar")
     parser = _parser()
     ns = parser.parse_args(argv)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49

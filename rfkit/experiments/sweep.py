@@ -111,7 +111,7 @@ def validate(args) -> None:
     args.beta_list = parse_betas(args.betas, "--betas", error=SweepError)
     from rfkit.config.catalog import resolve_config
 
-    args.config = resolve_config(args.config)  # a file, or a catalogue name such as smollm2_b05
+    args.config = resolve_config(args.config, command="sweep")  # a file, or a catalogue name such as smollm2_b05
     if check_model_spec(args.config, require_converted=False, flag="--config") != "recipe":
         raise SweepError(f"--config: '{args.config}' is a directory; give a recipe YAML")
     for flag, value in (("--val-blocks", args.val_blocks), ("--cache-length", args.cache_length), ("--long-blocks", args.long_blocks)):

@@ -346,3 +346,26 @@ def test_sweep_sets_the_opt_in_for_its_beta_1_rows_and_warns_once(caplog):
         assert check_all_heads(row)  # allowed, with the policy's own warning
     sweep_warnings = [r.getMessage() for r in caplog.records if r.name == "rfkit.experiments.sweep"]
     assert len(sweep_warnings) == 1 and "destroys quality" in sweep_warnings[0]
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test", "profile", "convert", "sweep"])
+def test_an_eval_recipe_given_to_a_fit_command_names_the_command_to_use(command, capsys, no_loading):
+    mqar = str(Path(SMOLLM).parent / "mqar_smoke.yaml")
+    args = [command, "--config", mqar] + (["--betas", "0.5"] if command == "sweep" else [])
+    code, out, err = run_cli(args, capsys)
+    prefix = "rfkit sweep: error: " if command == "sweep" else ERROR
+    assert_one_line(code, out, err, f"is an 'rfkit eval mqar' recipe, not one for rfkit {command}",
+                    f"run rfkit eval mqar --config {mqar}", prefix=prefix)  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [SMOLLM, "smollm2_b05"])
+def test_a_fit_recipe_given_to_eval_mqar_names_rfkit_fit(config, capsys, no_loading):
+    code, out, err = run_cli(["eval", "mqar", "--config", config], capsys)
+    assert_one_line(code, out, err, "is an 'rfkit fit' recipe", f"run rfkit fit --config {config}", prefix="rfkit eval: error: ")
+
+
+def test_every_packaged_recipe_is_read_as_the_kind_the_catalogue_lists():
+    from rfkit.config.catalog import describe, recipe_kind, recipe_names, recipe_path
+
+    for name in recipe_names():
+        assert recipe_kind(recipe_path(name)) == describe(name)["kind"], name
