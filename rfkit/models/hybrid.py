@@ -126,13 +126,22 @@ class HybridWindowAttention(WindowAttention):
         """``g`` per query head ``(Hq,)``: 0 while the gate is closed."""
         return self.gate.clamp_min(0) * self.log_scale.exp()
 
+    def dropout_generator(self) -> torch.Generator:
+        """The block's own random stream for window dropout, seeded on first use from the global
+        one (so ``seed_everything`` decides it). Checkpoints save and restore its state
+        (``RecurFormerModule.on_save_checkpoint``), so a resumed fit draws the same windows."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
+        return self._generator
+
     def train_window(self) -> int:
         if self.window_dropout <= 0 or self.window < 2:
             return self.window
-        if float(torch.rand((), generator=self._generator)) >= self.window_dropout:
+        generator = self.dropout_generator()
+        if float(torch.rand((), generator=generator)) >= self.window_dropout:
             return self.window
         low = max(1, self.window // 4)
-        return int(torch.randint(low, self.window + 1, (), generator=self._generator))
+        return int(torch.randint(low, self.window + 1, (), generator=generator))
 
     def _log_weight(self, dtype) -> torch.Tensor:
         """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed. Without

@@ -7,6 +7,10 @@
 * :class:`AtomicCheckpointIO`: writes every checkpoint to a temporary file beside its target,
   flushes it to disk, then renames it (a ``kill -9`` leaves the previous checkpoint whole), and
   reads checkpoints with ``torch.load(weights_only=True)`` unless told otherwise.
+* :func:`random_states` / :func:`restore_random_states`: every random stream training reads
+  (torch's global and CUDA generators, Python's ``random``, and each mixer's own stream, such
+  as the hybrid's window dropout), saved in each checkpoint and restored on resume, so a
+  resumed fit draws what the uninterrupted one drew.
 * :func:`read_meta`: the ``"rfkit"`` entry that :class:`rfkit.training.module.RecurFormerModule` puts
   into each checkpoint: the head map, the operator, what the callbacks measured before
   training, and the data position. A resumed run rebuilds the converted architecture from it
@@ -29,6 +33,7 @@ from rfkit.validate import positive_int
 
 META_KEY = "rfkit"
 META_FORMAT = 1
+RNG_KEY = "rfkit_random_states"
 
 
 class CheckpointError(RFKitError):
@@ -121,3 +126,41 @@ def read_meta(path: str | os.PathLike, field: str = "--ckpt_path") -> dict:
     if meta.get("format", 0) > META_FORMAT:
         raise CheckpointError(f"{field}: '{path}' was written by a newer rfkit (format {meta['format']}); upgrade rfkit")
     return meta
+
+
+def random_states(module: torch.nn.Module) -> dict:
+    """The random streams a fit reads, as plain data and tensors (``weights_only`` loads them):
+    torch's global generator, the CUDA ones, Python's ``random``, and every submodule's own
+    generator (``_generator``, e.g. the hybrid's window dropout) by module name."""
+    import random
+
+    version, internal, gauss = random.getstate()
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "modules": {
+            name: sub._generator.get_state()
+            for name, sub in module.named_modules()
+            if isinstance(getattr(sub, "_generator", None), torch.Generator)
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_random_states(module: torch.nn.Module, states: dict) -> None:
+    """Put back what :func:`random_states` saved; a submodule whose generator was saved gets one
+    (``dropout_generator()`` creates it) set to the saved state."""
+    import random
+
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    subs = dict(module.named_modules())
+    for name, state in states.get("modules", {}).items():
+        sub = subs.get(name)
+        if sub is not None and hasattr(sub, "dropout_generator"):
+            sub.dropout_generator().set_state(state)

@@ -240,7 +240,7 @@ class RecurFormerModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Put the converted architecture (head map, operator) and the run's state into the
         checkpoint, as plain data that ``torch.load(weights_only=True)`` reads."""
-        from rfkit.training.checkpointing import META_FORMAT, META_KEY
+        from rfkit.training.checkpointing import META_FORMAT, META_KEY, RNG_KEY, random_states
         from rfkit.version import __version__
 
         if self.head_map is None:
@@ -258,12 +258,16 @@ class RecurFormerModule(L.LightningModule):
             "wall_seconds": round(self._wall_before + time.time() - self.started, 1),
             "data_position": {"epoch": int(self.current_epoch), "batches": int(self._epoch_batches)},
         }
+        checkpoint[RNG_KEY] = random_states(self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restore what the checkpoint's run had counted and where its data stood."""
-        from rfkit.training.checkpointing import META_KEY
+        """Restore what the checkpoint's run had counted, where its data stood and its random
+        streams."""
+        from rfkit.training.checkpointing import META_KEY, RNG_KEY, restore_random_states
 
         meta = checkpoint.get(META_KEY) or {}
+        if RNG_KEY in checkpoint:
+            restore_random_states(self, checkpoint[RNG_KEY])
         self.train_tokens = int(meta.get("train_tokens", 0))
         self._wall_before = float(meta.get("wall_seconds", 0.0))
         self.run_metrics.update(meta.get("run_metrics") or {})

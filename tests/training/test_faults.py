@@ -259,3 +259,65 @@ def test_a_writer_killed_mid_directory_leaves_no_target_and_the_next_write_clear
         (tmp / "model.safetensors").write_bytes(b"a whole model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "writing"]  # the killed writer's copy is gone
     assert (target / "model.safetensors").read_bytes() == b"a whole model"
+
+
+def hybrid_args(model_dir, corpus, root, *extra):
+    """The default (hybrid) recipe with window dropout on every training forward, so each step
+    draws from the blocks' random streams; deterministic algorithms."""
+    return [
+        "fit", *tiny_args(model_dir, corpus, root),
+        "--model.operator.init_args.window", "6",
+        "--model.operator.init_args.window_dropout", "1.0",
+        "--trainer.deterministic", "true",
+        "--model.reuse_profile", "false",  # the same random draws before conversion in every run
+        "--trainer.max_steps", str(STEPS),
+        "--trainer.val_check_interval", str(STEPS),
+        "--model.lr_scheduler.init_args.T_max", str(STEPS),
+        "--checkpoint.every_n_train_steps", str(EVERY),
+        *extra,
+    ]  # fmt: skip
+
+
+def saved_weights(root) -> dict:
+    from safetensors.torch import load_file
+
+    (path,) = Path(root).rglob("model.safetensors")
+    return load_file(str(path))
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_with_window_dropout_ends_with_the_same_weights_exactly(tiny_model_dir, tiny_corpus, tmp_path):
+    """Every random stream training reads (here the hybrid's window dropout) is in the checkpoint:
+    a fit killed after a checkpoint and resumed ends with the uninterrupted fit's weights and
+    perplexity, bit for bit."""
+    cache = tmp_path / "cache"
+    whole_root = tmp_path / "whole"
+    proc = rfkit(hybrid_args(tiny_model_dir, tiny_corpus, whole_root), cache)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+    root, marker = tmp_path / "run", tmp_path / "hung"
+    hang = ["--trainer.callbacks+=fault_callbacks.HangAt", "--trainer.callbacks.step", str(KILL_AT), "--trainer.callbacks.marker", str(marker)]
+    proc = rfkit(hybrid_args(tiny_model_dir, tiny_corpus, root, *hang), cache)
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "the run never reached the kill step"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 4
+    streams = checkpoint["rfkit_random_states"]["modules"]
+    assert streams and all(name.endswith(".mixer") for name in streams)  # one per hybrid block
+
+    resumed = rfkit(hybrid_args(tiny_model_dir, tiny_corpus, root, "--ckpt_path", "last"), cache)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    want, got = saved_weights(whole_root), saved_weights(root)
+    assert sorted(got) == sorted(want)
+    trained = [key for key in want if ".mixer." in key]
+    assert trained
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert summary(root)["ppl_converted"] == summary(whole_root)["ppl_converted"]
