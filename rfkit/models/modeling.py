@@ -120,9 +120,8 @@ class RecurFormerAttention(nn.Module):
         self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
         self._gather = bool(per_kv) and len(set(per_kv)) != 1
         self._group_runs = group_runs(per_kv) if self._gather else []
-        # Index lists as plain attributes, not buffers: from_pretrained builds modules on the
-        # meta device and would leave non-persistent buffers uninitialised.
-        self.kv_for_query = [kept_kv.index(layout.kv_head_of(h)) for h in kept]
+        # Head index tensors are made on first use per device (_index), not kept as buffers:
+        # from_pretrained builds modules on the meta device and would leave them uninitialised.
         self._index_cache: dict = {}
 
         qkv_bias, o_bias = _biases(config)
