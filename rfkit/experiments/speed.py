@@ -155,13 +155,11 @@ def layer_step(model, context: int, seed: int, device, steps: int = 8) -> dict:
 
 
 # ----------------------------------------------------------------------------- memory budget
-@torch.no_grad()
 def cache_bytes_per_sequence(model, context: int, seed: int, device) -> int:
     """Cache bytes (K/V + mixer state) one sequence holds after a ``context``-token prefill, measured."""
-    from rfkit.models.cache import cache_bytes, output_cache
+    from rfkit.models.cache import measure_cache
 
-    out = model(input_ids=random_ids(model, 1, context, seed, device), use_cache=True, logits_to_keep=1)
-    return cache_bytes(output_cache(out))["total"]
+    return measure_cache(model, random_ids(model, 1, context, seed, device))["total"]
 
 
 def budget_rows(args, pair, device, bar) -> list[dict]:

@@ -63,7 +63,7 @@ def measure_cache(model, input_ids: torch.Tensor) -> dict:
     """
     was_training = model.training
     model.eval()
-    out = model(input_ids=input_ids, use_cache=True)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)  # the cache, not the logits
     model.train(was_training)
     measured = cache_bytes(output_cache(out))
     tokens = input_ids.numel()

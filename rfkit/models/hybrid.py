@@ -144,26 +144,24 @@ class HybridWindowAttention(WindowAttention):
         return int(torch.randint(low, self.window + 1, (), generator=generator))
 
     def _log_weight(self, dtype) -> torch.Tensor:
-        """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed. Without
-        autograd it is cached until the gate or scale change (their in-place version counters)."""
+        """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed."""
         if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
             return (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1)
-        key = (self.gate._version, self.log_scale._version, self.gate.data_ptr(), self.log_scale.data_ptr(), dtype)
-        if getattr(self, "_log_weight_key", None) != key:
-            with torch.no_grad():
-                value = (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1)
-            self._log_weight_key, self._log_weight_value = key, value
-        return self._log_weight_value
+        return self._cached(("log", dtype), lambda: (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1))
 
     def kernel_weights(self) -> torch.Tensor:
-        """``g`` per query head as contiguous float32 (the compiled step reads it), cached like
-        :meth:`_log_weight`."""
+        """``g`` per query head as contiguous float32 (the compiled step reads it)."""
+        return self._cached(("kernel",), lambda: self.old_weight().to(torch.float32).contiguous())
+
+    def _cached(self, name: tuple, make) -> torch.Tensor:
+        """A value derived from the gate and scale, computed without autograd and kept until
+        either changes (their in-place version counters and storage)."""
         key = (self.gate._version, self.log_scale._version, self.gate.data_ptr(), self.log_scale.data_ptr())
-        if getattr(self, "_kernel_weights_key", None) != key:
+        cache = self.__dict__.setdefault("_derived", {})
+        if cache.get(name, (None,))[0] != key:
             with torch.no_grad():
-                self._kernel_weights_value = self.old_weight().to(torch.float32).contiguous()
-            self._kernel_weights_key = key
-        return self._kernel_weights_value
+                cache[name] = (key, make())
+        return cache[name][1]
 
     def _kernel_ready(self, q: torch.Tensor, state) -> bool:
         fmap = self.feature_map
