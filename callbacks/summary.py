@@ -161,7 +161,9 @@ class RunSummary(L.Callback):
         phases = getattr(getattr(pl_module, "phases", None), "seconds", None)
         if phases:
             summary["phases"] = dict(phases)
-        atomic_write_json(out / "summary.json", summary)
+        from rfkit.provenance import stamp
+
+        atomic_write_json(out / "summary.json", stamp(summary, wall_seconds=summary.get("wall_seconds")))
         print(final_screen(summary, "fit", saved, out / "summary.json"))
 
 

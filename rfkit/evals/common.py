@@ -97,7 +97,11 @@ def write_json(path: str | Path | None, obj) -> None:
     """Write results atomically (nothing half-written), when a path was given."""
     from rfkit.conversion.headmap import atomic_write_json
 
+    from rfkit.provenance import stamp
+
     if path is not None:
+        if isinstance(obj, dict):
+            stamp(obj, wall_seconds=obj.get("wall_seconds"))
         atomic_write_json(path, obj)
         log.info("results -> %s", path)
 

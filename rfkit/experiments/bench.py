@@ -25,6 +25,7 @@ import gc
 import logging
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -387,6 +388,7 @@ def validate(args) -> None:
 def main(argv: list[str]) -> int:
     from rfkit.conversion.headmap import atomic_write_json
 
+    started = time.time()
     args = build_parser().parse_args(argv)
     validate(args)
     device = args.torch_device
@@ -399,7 +401,9 @@ def main(argv: list[str]) -> int:
         result = run_speed(args, pair, device)
     print(markdown(result))
     if args.json_out:
-        atomic_write_json(args.json_out, result)
+        from rfkit.provenance import stamp
+
+        atomic_write_json(args.json_out, stamp(result, started, "rfkit bench " + shlex.join(argv)))
         print(f"\nJSON: {args.json_out}", file=sys.stderr)
     if not args.no_record:
         from rfkit.experiments.reports import bench_record

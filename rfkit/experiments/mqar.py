@@ -301,7 +301,9 @@ def run(cfg: MQARConfig) -> dict:
     }
     table = markdown_table(accuracy, cfg.eval_lengths)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "results.json", results)
+    from rfkit.provenance import stamp
+
+    atomic_write_json(out_dir / "results.json", stamp(results, wall_seconds=wall))
     atomic_write_text(out_dir / "mqar.md", table + "\n")
     series = {
         f"beta {b} ({replaced[b]['replaced']}/{replaced[b]['total']} heads Mamba)": (

@@ -1,33 +1,21 @@
-"""Render the README's speed and memory tables of the trained default from their result files.
-
-    python benchmarks/speed_tables.py [benchmarks/results/speed_smollm2_b05_fast]
-
-Reads the JSON that ``rfkit bench speed`` / ``rfkit bench cache`` wrote into the folder
-(``speed.json``, ``speed_batch4.json``, ``speed_sink_recent.json``, ``speed_budget.json``,
-``cache.json``) and prints the two
-Markdown tables. ``tests/test_readme_numbers.py`` checks that the README holds them verbatim.
-"""
+"""The trained default's speed and memory (``rfkit bench speed`` / ``rfkit bench cache`` on the
+fit of ``recipes/smollm2_b05.yaml``), in the README and docs/trained.md."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from tables import load, table
 
-DEFAULT = Path(__file__).resolve().parent / "results" / "speed_smollm2_b05_fast"
-
-
-def _load(folder: Path, name: str) -> dict:
-    return json.loads((folder / name).read_text())
+FOLDER = "speed_smollm2_b05_fast"
 
 
 def _pair(a: float, b: float, fmt: str) -> str:
     return f"{a:{fmt}} -> {b:{fmt}} ({b / a:.2f}x)"
 
 
-def speed_table(folder: Path = DEFAULT) -> str:
-    speed = _load(folder, "speed.json")
-    batch4 = _load(folder, "speed_batch4.json")
+@table("speed_b05")
+def speed_table() -> str:
+    speed = load(f"{FOLDER}/speed.json")
+    batch4 = load(f"{FOLDER}/speed_batch4.json")
     contexts = [r["context"] for r in speed["rows"]]
     head = "| tokens/s, original -> converted (ratio) | " + " | ".join(f"{c:,} tokens" for c in contexts) + " |"
     lines = [head, "|---|" + "---:|" * len(contexts)]
@@ -40,7 +28,7 @@ def speed_table(folder: Path = DEFAULT) -> str:
         for c in contexts
     ]
     lines.append("| trained hybrid, decode, batch 4 | " + " | ".join(cells) + " |")
-    baseline = {r["context"]: r for r in _load(folder, "speed_sink_recent.json")["rows"]}
+    baseline = {r["context"]: r for r in load(f"{FOLDER}/speed_sink_recent.json")["rows"]}
     for phase in ("prefill", "decode"):
         fmt = ".1f" if phase == "prefill" else ".2f"
         cells = [
@@ -59,9 +47,10 @@ def speed_table(folder: Path = DEFAULT) -> str:
     return "\n".join(lines)
 
 
-def memory_table(folder: Path = DEFAULT) -> str:
-    cache = _load(folder, "cache.json")
-    budget = _load(folder, "speed_budget.json")
+@table("memory_b05")
+def memory_table() -> str:
+    cache = load(f"{FOLDER}/cache.json")
+    budget = load(f"{FOLDER}/speed_budget.json")
     mib = 2**20
     lines = ["| measure | original | converted | ratio |", "|---|---:|---:|---:|"]
     for r in cache["rows"]:
@@ -84,15 +73,3 @@ def memory_table(folder: Path = DEFAULT) -> str:
             f"{r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | {r['throughput_ratio']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    folder = Path(argv[0]) if argv else DEFAULT
-    print(speed_table(folder))
-    print()
-    print(memory_table(folder))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
