@@ -4,8 +4,8 @@
         [--source "where the command and time were read"]
 
 Commands write the block themselves (:mod:`rfkit.provenance`); this is only for older files. The
-date and commit are those of the git commit that added the file (the code that measured it was
-at or before that commit); the command and wall time are the ones the pages quoted next to the
+date and commit are those of the oldest commit that holds the file as it is now (the code that
+measured it was at or before that commit); the command and wall time are the ones the pages quoted next to the
 numbers. The block says so in ``backfilled``. A file that already has a block is left alone.
 """
 
@@ -13,24 +13,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from rfkit.atomic import atomic_write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+
 def added_in(path: Path) -> tuple[str, str]:
-    """``(commit, ISO date)`` of the commit that first added ``path``."""
-    done = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "--diff-filter=A", "--follow", "--format=%H %cI", "--", str(path.resolve().relative_to(ROOT))],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    lines = done.stdout.split()
-    if not lines:
-        raise SystemExit(f"{path}: not in git history; commit it first, or re-run the command that writes it")
-    return lines[-2], lines[-1]
+    """``(commit, ISO date)`` of the oldest commit at which ``path`` already had its committed
+    content (the commit that added the file, or that last rewrote it)."""
+    rel = str(path.resolve().relative_to(ROOT))
+    try:
+        head = _git("rev-parse", f"HEAD:{rel}").strip()
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"{path}: not committed; commit it first, or re-run the command that writes it") from None
+    found = None
+    for line in _git("log", "--format=%H %cI", "--", rel).splitlines():  # newest first
+        commit, date = line.split()
+        try:
+            blob = _git("rev-parse", f"{commit}:{rel}").strip()
+        except subprocess.CalledProcessError:
+            break
+        if blob != head:
+            break
+        found = (commit, date)
+    if found is None:
+        raise SystemExit(f"{path}: no commit holds its current content")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": args.wall_seconds if args.wall_seconds is not None else data.get("wall_seconds"),
             "backfilled": "backfilled: " + args.source if not args.source.startswith("backfilled") else args.source,
         }
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, data)
         print(f"{path}: provenance from {commit[:7]} ({date[:10]})")
     return 0
 

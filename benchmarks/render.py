@@ -22,10 +22,11 @@ table that is not rendered, and on any block that differs from its files.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
+
+from rfkit.atomic import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -88,12 +89,6 @@ def unrendered_tables(text: str) -> list[int]:
     return bad
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from its files")
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             stale.append(str(page.relative_to(ROOT)))
             if not args.check:
-                write_atomic(page, new)
+                atomic_write_text(page, new)
     verb = "differ from their result files" if args.check else "rewritten"
     print(f"{len(stale)} page(s) {verb}" + (": " + ", ".join(stale) if stale else ""))
     return 1 if (args.check and stale) else 0
