@@ -24,6 +24,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    run_started = time.time()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-map", required=True, help="head_map.json whose selection to convert")
     p.add_argument("--context", type=int, default=2048)
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     import torch
 
     import rfkit
-    from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.atomic import atomic_write_json
     from rfkit.conversion.convert import load_base_model
     from rfkit.models.cache import cache_kwargs, output_cache
     from rfkit.models.modeling import to_recurformer
@@ -67,6 +68,9 @@ def main(argv=None) -> int:
     }
     print(json.dumps(result, indent=1))
     if args.output:
+        from rfkit.provenance import stamp
+
+        stamp(result, run_started, result["command"])
         atomic_write_json(args.output, result)
     return 0
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def main(argv=None) -> int:
+    run_started = time.time()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--lengths", default="300,1200")
@@ -29,7 +31,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rfkit  # noqa: F401  (registers the converted classes)
-    from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.atomic import atomic_write_json
     from rfkit.data.sources import load_documents
     from rfkit.models.window import WindowAttention
 
@@ -60,6 +62,9 @@ def main(argv=None) -> int:
               "command": "python benchmarks/paths_agree.py " + " ".join(argv if argv is not None else sys.argv[1:])}  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.output:
+        from rfkit.provenance import stamp
+
+        stamp(result, run_started, result["command"])
         atomic_write_json(args.output, result)
     return 0 if all(r["identical_tokens"] for r in rows) else 1
 

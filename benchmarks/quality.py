@@ -150,12 +150,13 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    run_started = time.time()
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from rfkit.callbacks.perplexity import evaluate_perplexity
-
+    from rfkit.atomic import atomic_write_json, atomic_write_text
     from rfkit.config.loading import parse_recipe
     from rfkit.conversion.convert import load_base_model, profile_for
-    from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+    from rfkit.conversion.headmap import HeadMap
+    from rfkit.evals.perplexity import evaluate_perplexity
     from rfkit.models.layout import AttentionLayout
 
     torch.manual_seed(0)
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             del model
+            from rfkit.provenance import stamp
+
+            stamp(result, run_started, result["command"], replace=True)
             atomic_write_json(out / "quality.json", result)  # partial results survive an interrupted run
             atomic_write_text(out / "quality.md", markdown(result))
     print(markdown(result))

@@ -47,6 +47,7 @@ def losses(path: Path) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
+    run_started = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     raw = list(argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     if not 0 < args.kill_after < args.steps:
         p.error("--kill-after: must lie between 0 and --steps")
 
-    from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.atomic import atomic_write_json
     from rfkit.training.checkpointing import read_meta
 
     work = Path(args.workdir).resolve()
@@ -136,6 +137,9 @@ def main(argv=None) -> int:
         "rel_ppl_difference": rel(sb["ppl_converted"], sa["ppl_converted"]),
         "wall_seconds": {"whole_summary": sa["wall_seconds"], "resumed_summary": sb["wall_seconds"], **timings},
     }
+    from rfkit.provenance import stamp
+
+    stamp(result, run_started, result["command"])
     atomic_write_json(args.output, result)
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("losses")}, indent=1))
     return 0

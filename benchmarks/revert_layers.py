@@ -21,6 +21,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    run_started = time.time()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a converted model directory (with head_map.json)")
     p.add_argument("--config", default="recipes/smollm2_b05.yaml", help="recipe whose data settings give the validation blocks")
@@ -28,10 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=None, help="JSON path (default: revert_layers.json beside the model)")
     args = p.parse_args(argv)
 
-    from rfkit.callbacks.perplexity import evaluate_perplexity
-
+    from rfkit.atomic import atomic_write_json
     from rfkit.config.loading import load_model, parse_recipe
-    from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.evals.perplexity import evaluate_perplexity
 
     started = time.time()
     model_dir = Path(args.model)
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
         "wall_seconds": round(time.time() - started, 1),
     }
     out = Path(args.output) if args.output else model_dir.parent / "revert_layers.json"
+    from rfkit.provenance import stamp
+
+    stamp(result, run_started, result["command"])
     atomic_write_json(out, result)
     print(f"original {ppl_original:.3f}, converted {ppl_converted:.3f} (ratio {ppl_converted / ppl_original:.3f}) -> {out}")
     print("| layer | heads | PPL with it reverted | ratio | share of gap recovered | transfer MSE |")

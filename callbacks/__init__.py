@@ -1,7 +1,7 @@
 """Lightning callbacks that measure a conversion (importable as ``rfkit.callbacks``)."""
 
 from rfkit.callbacks.cache import CacheMonitor
-from rfkit.callbacks.perplexity import PerplexityMonitor, SummedNLL, evaluate_perplexity
+from rfkit.callbacks.perplexity import PerplexityMonitor
 from rfkit.callbacks.summary import RunSummary
 
-__all__ = ["CacheMonitor", "PerplexityMonitor", "RunSummary", "SummedNLL", "evaluate_perplexity"]
+__all__ = ["CacheMonitor", "PerplexityMonitor", "RunSummary"]

@@ -4,13 +4,16 @@ Temporary names carry the writer's host and pid; a write removes what earlier wr
 same target on this host left when they were killed. A write that fails (a full disk
 included) leaves nothing behind: not the temporary file or
 directory, and not the parent directories the write created. A full disk becomes a one-line
-:class:`rfkit.errors.DiskFullError` naming the target. :func:`check_writable` is the preflight
-that the CLI runs on output locations before anything loads.
+:class:`rfkit.errors.DiskFullError` naming the target. :func:`atomic_write_text`,
+:func:`atomic_write_json` and :func:`atomic_write_bytes` are what writers of results, head maps
+and model cards call. :func:`check_writable` is the preflight that the CLI runs on output
+locations before anything loads.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import socket
@@ -155,6 +158,31 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
         if not done:
             _remove_empty(created)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never half-written."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write(path, write)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as indented JSON (one space, trailing newline), like :func:`atomic_write_text`."""
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 @contextmanager

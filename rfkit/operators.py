@@ -1,10 +1,12 @@
 """Replacement operators, under the import path recipes, plugins and saved models name
 (``class_path: rfkit.operators.MambaOperator``; a saved ``config.json`` records its operator so).
 
-The code lives in :mod:`rfkit.models.operators`; this module keeps the public path stable.
+The code lives in :mod:`rfkit.models.operators` (and the mixers' optional hooks,
+:class:`ReplacementMixer`, in :mod:`rfkit.models.mixer`); this module keeps the public path stable.
 """
 
 from rfkit.models.layout import AttentionLayout
+from rfkit.models.mixer import ReplacementMixer
 from rfkit.models.operators import (
     HybridOperator,
     MambaOperator,
@@ -19,6 +21,7 @@ __all__ = [
     "HybridOperator",
     "MambaOperator",
     "OperatorError",
+    "ReplacementMixer",
     "ReplacementOperator",
     "SinkRecentOperator",
     "SlidingWindowOperator",

@@ -75,9 +75,12 @@ def provenance(started: float | None = None, command: str | None = None, wall_se
     }
 
 
-def stamp(result: dict, started: float | None = None, command: str | None = None, wall_seconds: float | None = None) -> dict:
+def stamp(
+    result: dict, started: float | None = None, command: str | None = None, wall_seconds: float | None = None, replace: bool = False
+) -> dict:
     """``result`` with its ``provenance`` block (set in place; returned for chaining). A block it
-    already has is kept: a result is stamped by the command that measured it, once."""
-    if "provenance" not in result:
+    already has is kept (a result is stamped by the command that measured it, once) unless
+    ``replace`` (a run that rewrites its partial results as it goes)."""
+    if replace or "provenance" not in result:
         result["provenance"] = provenance(started, command, wall_seconds)
     return result

@@ -11,15 +11,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the public aliases (recipes, plugins and saved models name them) re-export from the layers below
-ALIASES = {"rfkit", "rfkit.policies", "rfkit.operators", "rfkit.module", "rfkit.__main__"}
+ALIASES = {"rfkit", "rfkit.policies", "rfkit.operators", "rfkit.__main__"}
 # each package may import only from the packages at its own or a lower rank
 RANK = {
     "rfkit.errors": 0, "rfkit.atomic": 0, "rfkit.provenance": 0, "rfkit.hub": 0, "rfkit.validate": 0, "rfkit.version": 0, "rfkit.plots": 0,
-    "rfkit.output": 0,
+    "rfkit.output": 0, "rfkit.classpath": 0,
     "rfkit.ops": 1,
     "rfkit.models": 2,
     "rfkit.conversion": 3,
     "rfkit.data": 4, "rfkit.training": 4, "rfkit.callbacks": 4,
+    # the perplexity evaluation that rfkit fit's callbacks run and the eval commands share: it needs
+    # only rfkit.training and below, so it ranks with the callbacks, not with the rest of rfkit.evals
+    "rfkit.evals.perplexity": 4,
     "rfkit.config": 5,
     "rfkit.evals": 6, "rfkit.experiments": 6,
     "rfkit.cli": 7,
@@ -108,6 +111,25 @@ def test_lower_layers_do_not_import_upper_ones():
                 wrong.append(f"{module} imports the public alias {dep}; import the implementation")
             elif dep not in ALIASES and RANK[_package(dep)] > RANK[_package(module)]:
                 wrong.append(f"{module} ({_package(module)}) imports {dep} ({_package(dep)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_module_ranked_below_its_package_loads_nothing_above_it():
+    """Importing ``rfkit.evals.perplexity`` runs ``rfkit/evals/__init__.py`` first: a module that
+    RANK places below its package needs package ``__init__`` files that import nothing ranked above
+    it, or importing it would load the upper layer after all."""
+    graph = _graph()
+    wrong = []
+    for module in RANK:
+        parent = module.rpartition(".")[0]
+        while parent and parent not in ALIASES:
+            if parent in graph:
+                wrong += [
+                    f"{parent} (run when {module} is imported) imports {dep}"
+                    for dep in sorted(graph[parent])
+                    if dep not in ALIASES and RANK[_package(dep)] > RANK[module]
+                ]
+            parent = parent.rpartition(".")[0]
     assert not wrong, "\n".join(wrong)
 
 

@@ -9,8 +9,8 @@ catalogue name as well as a path (``rfkit fit --config smollm2_b05``): an existi
 then a catalogue name (with or without ``.yaml``); anything else is one line that names the
 nearest recipes. ``mqar_*`` recipes are ``rfkit eval mqar`` configs, not LightningCLI recipes.
 
-This module itself needs only pyyaml and the standard library (``cp`` imports rfkit.conversion.headmap for
-its atomic write); it imports neither torch nor transformers, though ``import rfkit`` does.
+This module itself needs only pyyaml, the standard library and :mod:`rfkit.atomic` (``cp``'s
+atomic write); it imports neither torch nor transformers, though ``import rfkit`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from rfkit.atomic import atomic_write_text
 from rfkit.config.args import OneLineParser
 from rfkit.errors import RFKitError
 
@@ -274,8 +275,6 @@ def build_parser() -> _Parser:
 def copy_recipe(name: str, dest: str, force: bool = False) -> Path:
     """Write recipe ``name`` to ``dest`` atomically (``dest/NAME.yaml`` when ``dest`` is a
     directory or ends with ``/``); an existing file is kept unless ``force``."""
-    from rfkit.conversion.headmap import atomic_write_text  # imports torch: only when copying
-
     source = recipe_path(name)
     target = Path(dest).expanduser()
     if target.is_dir() or str(dest).endswith(("/", "\\")):

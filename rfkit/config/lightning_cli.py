@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from rfkit.config.parse_errors import PARSE_ARGS, tidy_parse_error
 from rfkit.errors import ParseError, one_line
-from rfkit.output import quiet_lightning
+from rfkit.output import quiet_lightning, verbose
 
 log = logging.getLogger("rfkit")
 
@@ -73,7 +73,7 @@ class RFTrainer(Trainer):
                 of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
         """
         from rfkit.conversion.convert import build_head_map, load_base_model
-        from rfkit.conversion.headmap import atomic_write_text
+        from rfkit.atomic import atomic_write_text
 
         base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code)
         head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
@@ -98,19 +98,14 @@ class RFTrainer(Trainer):
             output: Directory for the converted model (written atomically), with its model card
                 (README.md) and the resolved config (config.yaml).
         """
-        from rfkit.conversion.convert import save_converted
-
         model.prepare(datamodule, callbacks=self.callbacks)
         tokenizer = getattr(datamodule, "tokenizer", None)
         # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
         # hooks filled in); the end-to-end numbers come with rfkit fit
-        from rfkit.training.progress import phase
-        from rfkit.training.report import final_screen, shown_path
+        from rfkit.training.report import final_screen
+        from rfkit.training.saving import save_model
 
-        with phase(model, "save", shown_path(output)):
-            out = save_converted(
-                model.model, model.head_map, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics)
-            )
+        out = save_model(self, model, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics))
         print(final_screen(dict(model.run_metrics), "convert", out, None))
         return out
 
@@ -149,13 +144,16 @@ class RFKitCLI(LightningCLI):
 
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         preflight(self.subcommand, config)
+        public_class_paths(config)
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
         ``<default_root_dir>/checkpoints/last.ckpt`` unless checkpointing is off or the recipe
         lists its own ``ModelCheckpoint``; checkpoints are written atomically and read with
         ``weights_only=True`` (:class:`AtomicCheckpointIO`). The progress bar counts optimizer
-        steps (:class:`~rfkit.training.progress.StepProgressBar`) unless the recipe lists its own."""
+        steps (:class:`~rfkit.training.progress.StepProgressBar`) unless the recipe lists its own.
+        Lightning's model summary table is off unless the recipe sets ``enable_model_summary`` or
+        the command runs with ``--verbose``."""
         from lightning.pytorch.callbacks import ModelCheckpoint
         from lightning.pytorch.callbacks.progress import ProgressBar
         from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -170,6 +168,8 @@ class RFKitCLI(LightningCLI):
             callbacks = [cb for cb in callbacks if not isinstance(cb, RunCheckpoint)]
         if config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in listed):
             callbacks = [*callbacks, StepProgressBar()]  # steps done / max_steps, not "Epoch 0/-2"
+        if config.get("enable_model_summary") is None and not verbose():
+            config = {**config, "enable_model_summary": False}  # its table (and "Total FLOPs: 0"): --verbose
         trainer = super()._instantiate_trainer(config, callbacks)
         for cb in trainer.callbacks:
             if isinstance(cb, RunCheckpoint):
@@ -195,6 +195,31 @@ class RFKitCLI(LightningCLI):
             log.warning("could not dump the resolved config: %s", one_line(err))
             text = None
         self.trainer.rf_config_text = text
+
+
+def public_class_paths(config) -> None:
+    """Name the built-in policy and operator in the resolved config as recipes write them and saved
+    models record them (``rfkit.policies.X``, ``rfkit.operators.X``: :mod:`rfkit.classpath`).
+    jsonargparse records a class given by its short name under its shortest import path
+    (``rfkit.X``) and keeps the implementation path a recipe may write; a plugin's path is kept."""
+    import importlib
+
+    from jsonargparse import Namespace
+
+    from rfkit.classpath import PUBLIC_MODULES, class_path
+
+    for key in ("model.policy", "model.operator"):
+        spec = config.get(key) if isinstance(config, Namespace) else None
+        path = getattr(spec, "class_path", None) if isinstance(spec, Namespace) else None
+        if not isinstance(path, str) or "." not in path:
+            continue
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and cls.__module__ in PUBLIC_MODULES:
+            spec.class_path = class_path(cls)
 
 
 def make_cli(args: list[str] | None, run: bool = True, **kwargs) -> RFKitCLI:

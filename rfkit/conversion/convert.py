@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from rfkit.conversion.headmap import HeadMap, atomic_write_text, load_profile, model_fingerprint, save_profile
+from rfkit.atomic import atomic_write_text
+from rfkit.conversion.headmap import HeadMap, load_profile, model_fingerprint, save_profile
 from rfkit.conversion.policies import FromHeadMap, HeadSelectionPolicy
 from rfkit.conversion.profile import profile_heads
 from rfkit.hub import cache_dir, resolve_model

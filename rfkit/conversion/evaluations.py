@@ -20,7 +20,7 @@ import datetime
 import json
 from pathlib import Path
 
-from rfkit.conversion.headmap import atomic_write_text
+from rfkit.atomic import atomic_write_text
 
 FILE = "evaluations.json"
 CARD = "README.md"

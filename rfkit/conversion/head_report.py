@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from rfkit.conversion.headmap import HeadMap, atomic_write_json, atomic_write_text
+from rfkit.atomic import atomic_write_json, atomic_write_text
+from rfkit.conversion.headmap import HeadMap
 from rfkit.conversion.profile import capture_attention
 from rfkit.models.layout import AttentionLayout
 
@@ -420,7 +421,9 @@ def write_head_report(
         {"label": label, "layer": layer, "head": h, "rai": head_map.rai[layer][h]} for label, layer, h in picks
     ]
     path = out_dir / "first_token_contribution.json"
-    atomic_write_json(path, doc)
+    from rfkit.provenance import stamp
+
+    atomic_write_json(path, stamp(doc))
     written["first_token_contribution_json"] = path
     path = out_dir / "first_token_contribution.md"
     atomic_write_text(path, contribution_markdown(doc, head_map))

@@ -18,6 +18,8 @@ Schema (``head_map.json``):
   the profile and the provenance above are the source map's).
 
 Files written before the provenance fields existed still load (the new fields are null).
+A policy recorded by its implementation path (``rfkit.conversion.policies.X``, as maps written
+before one public path per class have it) loads as its public one (``rfkit.policies.X``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rfkit.atomic import atomic_write
+from rfkit.atomic import atomic_write_bytes, atomic_write_json
+from rfkit.classpath import public_path
 from rfkit.conversion.profile import HeadProfile
 from rfkit.errors import RFKitError
 from rfkit.models.layout import AttentionLayout, LayoutError
@@ -38,20 +41,6 @@ from rfkit.validate import is_int, positive_int
 
 class HeadMapError(RFKitError):
     """A file that is not a usable head map. One line for the user, naming the field."""
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    atomic_write(path, write)
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 # -- model fingerprints -------------------------------------------------------------------------
@@ -246,6 +235,10 @@ class HeadMap:
             ):
                 raise bad(f"selected[{layer}] = {heads!r}; allowed: indices 0..{raw['num_heads'] - 1}")
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        policy = known.get("policy")
+        if isinstance(policy, dict) and isinstance(policy.get("class_path"), str):
+            # maps written before one public path per class name rfkit.conversion.policies.X
+            known["policy"] = {**policy, "class_path": public_path(policy["class_path"])}
         total = raw["num_layers"] * raw["num_heads"]
         defaults = dict(
             model="unknown", window=None, alpha=None, exclude_first_token=None, seq_len=None, samples=0, rai=[], rr_mean=[],
@@ -308,12 +301,7 @@ def _download(url: str, field: str) -> bytes:
     except (OSError, ValueError) as err:  # timeouts, resets, malformed URLs
         raise SourceError(f"{field}: cannot download {url}: {' '.join(str(err).split()) or type(err).__name__}") from None
     HeadMap.from_bytes(data, f"{field}: '{url}'")
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    atomic_write(target, write)
+    atomic_write_bytes(target, data)
     return data
 
 

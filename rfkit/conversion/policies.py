@@ -1,7 +1,7 @@
 """Head-selection policies: which query heads of which layers a conversion replaces.
 
 A policy is any subclass of :class:`HeadSelectionPolicy`. Recipes name it by ``class_path``
-(``rfkit.conversion.policies.RecencyRatioPolicy`` or ``my_policies.EvenLayers``); jsonargparse checks
+(``rfkit.policies.RecencyRatioPolicy`` or ``my_policies.EvenLayers``); jsonargparse checks
 its ``init_args`` against ``__init__``. That is the whole plugin mechanism.
 """
 
@@ -13,6 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Literal
 
+from rfkit.classpath import class_path
 from rfkit.conversion.profile import HeadProfile
 from rfkit.errors import RFKitError
 from rfkit.models.layout import AttentionLayout
@@ -61,7 +62,7 @@ class HeadSelectionPolicy(ABC):
         """Implemented by every subclass."""
 
     def describe(self) -> dict:
-        out = {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "beta": self.beta}
+        out = {"class_path": class_path(type(self)), "beta": self.beta}
         if self.allow_all_heads:
             out["allow_all_heads"] = True
         return out

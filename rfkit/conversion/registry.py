@@ -15,17 +15,17 @@ import re
 from rfkit.errors import RFKitError
 
 POLICY_ALIASES = {
-    "recency": "rfkit.conversion.policies.RecencyRatioPolicy",
-    "random": "rfkit.conversion.policies.RandomHeads",
-    "layerwise": "rfkit.conversion.policies.LayerwisePolicy",
-    "explicit": "rfkit.conversion.policies.ExplicitHeads",
-    "from_head_map": "rfkit.conversion.policies.FromHeadMap",
+    "recency": "rfkit.policies.RecencyRatioPolicy",
+    "random": "rfkit.policies.RandomHeads",
+    "layerwise": "rfkit.policies.LayerwisePolicy",
+    "explicit": "rfkit.policies.ExplicitHeads",
+    "from_head_map": "rfkit.policies.FromHeadMap",
 }
 OPERATOR_ALIASES = {
-    "mamba": "rfkit.models.operators.MambaOperator",
-    "sliding_window": "rfkit.models.operators.SlidingWindowOperator",
-    "sink_recent": "rfkit.models.operators.SinkRecentOperator",
-    "hybrid": "rfkit.models.operators.HybridOperator",
+    "mamba": "rfkit.operators.MambaOperator",
+    "sliding_window": "rfkit.operators.SlidingWindowOperator",
+    "sink_recent": "rfkit.operators.SinkRecentOperator",
+    "hybrid": "rfkit.operators.HybridOperator",
 }
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(?:\((.*)\))?\s*$", re.S)

@@ -8,9 +8,9 @@
     rfkit eval lm-eval   lm-evaluation-harness tasks on a converted model (``eval`` extra)
 
 Each task module defines ``add_arguments(parser)``, ``validate(args)`` (checks that need no
-model; raise :class:`EvalError`) and ``run(args) -> int``.
+model; raise :class:`rfkit.evals.common.EvalError`) and ``run(args) -> int``.
+:mod:`rfkit.evals.perplexity` is the perplexity evaluation they and ``rfkit fit``'s callbacks share.
+
+This file imports nothing: the callbacks import :mod:`rfkit.evals.perplexity`, and importing it
+runs this file first, which must not load the evaluation commands (a layer above the callbacks).
 """
-
-from rfkit.evals.common import EvalError
-
-__all__ = ["EvalError"]

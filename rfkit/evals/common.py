@@ -93,15 +93,16 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
     return outputs
 
 
-def write_json(path: str | Path | None, obj) -> None:
-    """Write results atomically (nothing half-written), when a path was given."""
-    from rfkit.conversion.headmap import atomic_write_json
+def write_json(path: str | Path | None, obj, command: str | None = None) -> None:
+    """Write results atomically (nothing half-written), when a path was given, with their
+    provenance (:mod:`rfkit.provenance`; ``command`` as the user typed it)."""
+    from rfkit.atomic import atomic_write_json
 
     from rfkit.provenance import stamp
 
     if path is not None:
         if isinstance(obj, dict):
-            stamp(obj, wall_seconds=obj.get("wall_seconds"))
+            stamp(obj, command=command, wall_seconds=obj.get("wall_seconds"))
         atomic_write_json(path, obj)
         log.info("results -> %s", path)
 

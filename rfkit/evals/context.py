@@ -12,8 +12,9 @@ All models run in one process on the same blocks and prompts:
 
 - ``original``: the base model named in DIR's head map;
 - ``converted``: DIR itself (``rfkit fit`` / ``rfkit convert`` output);
-- ``converted, state off``: for a hybrid model, the same model with its state's gates closed
-  (:func:`rfkit.models.hybrid.state_off`): its window alone, at the same cache;
+- ``converted, state off``: for a model whose mixers can switch their state off (the hybrid's
+  gates close; :meth:`rfkit.models.mixer.ReplacementMixer.state_ablation`), the same model
+  without its state: its window alone, at the same cache;
 - the ``--baseline`` operator on DIR's head map, training-free (default
   ``sink_recent(sink=4,window=64)``: 4 sink and 64 recent tokens per replaced head, the bytes of
   the default hybrid's window + state; ``--baseline none`` leaves it out).
@@ -104,15 +105,16 @@ def _blocks(source: str, tokenizer: str, lengths: list[int], tokens: int) -> dic
 
 
 def _models(args, loaded, head_map):
-    """``[(name, model, gates_closed)]``: the models measured, each built once."""
+    """``[(name, model, state_off)]``: the models measured, each built once (``state_off``: run within
+    :func:`rfkit.models.mixer.ablate_states`)."""
     from rfkit.config.loading import DTYPE_NAMES, dir_dtype
     from rfkit.conversion.convert import convert, load_base_model
-    from rfkit.models.hybrid import HybridWindowAttention
+    from rfkit.models.mixer import ablatable_mixers
 
     dtype = DTYPE_NAMES.get(dir_dtype(Path(args.model)), "float32")
     original = load_base_model(head_map.model, dtype).to(args.torch_device).eval()
     models = [("original", original, False), ("converted", loaded.model, False)]
-    if any(isinstance(m, HybridWindowAttention) for m in loaded.model.modules()):
+    if ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
         models.append(("converted, state off", loaded.model, True))
     if args.baseline_operator is not None:
         baseline = convert(copy.deepcopy(original), head_map, args.baseline_operator).to(args.torch_device).eval()
@@ -122,7 +124,7 @@ def _models(args, loaded, head_map):
 
 def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
     """Perplexity per length, passkey accuracy per length and the analytic cache of one model."""
-    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.evals.perplexity import evaluate_perplexity
     from rfkit.evals.passkey import NEW_TOKENS, evaluate_passkey
     from rfkit.experiments.bench import analytic_cache
 
@@ -149,7 +151,7 @@ def run(args) -> int:
     from rfkit.config.loading import load_model
     from rfkit.conversion.headmap import HeadMap
     from rfkit.experiments.reports import write_report
-    from rfkit.models.hybrid import state_off
+    from rfkit.models.mixer import ablate_states
 
     start = time.time()
     loaded = load_model(args.model, device=args.torch_device)
@@ -159,7 +161,7 @@ def run(args) -> int:
     for name, model, closed in _models(args, loaded, head_map):
         t0 = time.time()
         if closed:
-            with state_off(model):
+            with ablate_states(model):
                 rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
         else:
             rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
@@ -182,7 +184,7 @@ def run(args) -> int:
         "rows": rows,
         "wall_seconds": round(time.time() - start, 1),
     }
-    write_report(args.output_dir, "context", result, markdown(result), plot)
+    write_report(args.output_dir, "context", result, markdown(result), plot, getattr(args, "command_line", None))
     _record(args, result)
     return 0
 

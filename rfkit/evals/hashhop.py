@@ -234,7 +234,7 @@ def run(args) -> int:
         **settings,
         "samples": result["samples"],
     }
-    write_json(args.json_out, out)
+    write_json(args.json_out, out, getattr(args, "command_line", None))
     where = f"samples of {args.data}" if args.data else f"{args.hops} hops, {args.chars} characters, seed {args.seed}"
     add_to_card(
         args, f"hashhop {where} n={result['n']} max_new_tokens={result['max_new_tokens']}",

@@ -201,7 +201,7 @@ def run(args) -> int:
                 "configs", "config"):  # fmt: skip
         if key in results:
             out[key] = jsonable(results[key])
-    write_json(args.json_out, out)
+    write_json(args.json_out, out, getattr(args, "command_line", None))
     scores = {
         f"{task} {metric.split(',')[0]}": value
         for task, metrics in out.get("results", {}).items()

@@ -246,7 +246,7 @@ def run(args) -> int:
     }
     print(f"passkey retrieval: {loaded.name}")
     print(format_table(result))
-    write_json(args.json_out, result)
+    write_json(args.json_out, result, getattr(args, "command_line", None))
     depths = ", ".join(f"{d:g}" for d in args.depth_list)
     add_to_card(
         args, f"passkey depths={depths} trials={args.trials} seed={args.seed} new_tokens={args.new_tokens}",

@@ -10,7 +10,7 @@ calibration / validation / train by a hash of their title (``data.split`` fracti
 same documents are held out whatever the model.
 
 ``--mode blocks`` evaluates the packed validation blocks exactly as training validation does
-(``TextDataModule.val_dataloader()`` through ``callbacks.perplexity.evaluate_perplexity``: the
+(``TextDataModule.val_dataloader()`` through ``rfkit.evals.perplexity.evaluate_perplexity``: the
 validation documents joined with EOS and cut into blocks of ``--block-size`` tokens, the first
 ``--val-blocks`` of them), so the number agrees with ``ppl_original`` / ``ppl_converted`` in the
 summary of ``rfkit fit`` for the same data settings.
@@ -185,7 +185,7 @@ def make_datamodule(settings: dict, batch_size: int):
 # ----------------------------------------------------------------------------- evaluations
 def evaluate_blocks(model, datamodule) -> dict:
     """Perplexity over the packed validation blocks, as ``rfkit fit`` measures it."""
-    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.evals.perplexity import evaluate_perplexity
 
     loader = datamodule.val_dataloader()
     ppl = evaluate_perplexity(model, loader, desc="perplexity (blocks)")
@@ -318,7 +318,7 @@ def run(args) -> int:
         f"perplexity ({args.mode}) of {loaded.name}: {result['ppl']:.4f} over {result['tokens']} tokens, "
         f"{result['documents']} documents{extra}"
     )
-    write_json(args.json_out, result)
+    write_json(args.json_out, result, getattr(args, "command_line", None))
     shown = {k: v for k, v in settings.items() if k not in ("batch_size", "text_field", "hf_split", "hf_max_documents")}
     what = f"{result['blocks']} blocks" if args.mode == "blocks" else f"stride {args.stride}"
     add_to_card(

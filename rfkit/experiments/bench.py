@@ -386,7 +386,7 @@ def validate(args) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from rfkit.conversion.headmap import atomic_write_json
+    from rfkit.atomic import atomic_write_json
 
     started = time.time()
     args = build_parser().parse_args(argv)

@@ -219,7 +219,7 @@ def markdown_table(accuracy: dict[str, dict[str, float]], lengths: list[int]) ->
 
 def run(cfg: MQARConfig) -> dict:
     """The whole ablation: data, warm-up, profile, per-beta conversion and training, evaluation, outputs."""
-    from rfkit.conversion.headmap import atomic_write_json, atomic_write_text
+    from rfkit.atomic import atomic_write_json, atomic_write_text
     from rfkit.plots import line_plot
 
     started = time.perf_counter()

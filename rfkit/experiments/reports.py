@@ -6,15 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_report(out: Path, stem: str, result: dict, table: str, draw) -> None:
+def write_report(out: Path, stem: str, result: dict, table: str, draw, command: str | None = None) -> None:
     """``<stem>.json``, ``<stem>.md`` (``table``) and ``<stem>.png`` (``draw(result, path)``) in
     ``out``, each written whole; then the table and where the files are on screen."""
-    from rfkit.conversion.headmap import atomic_write_json, atomic_write_text
-
+    from rfkit.atomic import atomic_write_json, atomic_write_text
     from rfkit.provenance import stamp
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / f"{stem}.json", stamp(result, wall_seconds=result.get("wall_seconds")))
+    atomic_write_json(out / f"{stem}.json", stamp(result, command=command, wall_seconds=result.get("wall_seconds")))
     atomic_write_text(out / f"{stem}.md", table + "\n")
     draw(result, out / f"{stem}.png")
     print(table)

@@ -214,7 +214,7 @@ def long_sets(source: str, tokenizer: str, lengths: list[int], blocks: int) -> d
 def measure(model, val_batches, cache_length: int, device, desc: str, long: dict | None = None) -> dict:
     """Validation perplexity and the cache after ``cache_length`` tokens (plus the analytic
     per-token K/V bytes and constant state); with ``long``, the perplexity on each of its sets."""
-    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.evals.perplexity import evaluate_perplexity
     from rfkit.experiments.bench import analytic_cache, cache_after_generation
 
     model.to(device).eval()
@@ -346,10 +346,11 @@ def _ratios(row: dict, original: dict, started: float) -> dict:
 def operator_label(spec: dict) -> str:
     """``sink_recent(sink=4,window=64)`` for an operator's ``to_dict()`` (its registry alias
     when it has one, else its class name)."""
+    from rfkit.classpath import public_path
     from rfkit.conversion.registry import OPERATOR_ALIASES
     from rfkit.models.operators import ReplacementOperator
 
-    path = spec["class_path"]
+    path = public_path(spec["class_path"])  # older models' config.json: rfkit.models.operators.X
     alias = next((a for a, p in OPERATOR_ALIASES.items() if p == path), path.rsplit(".", 1)[-1])
     try:  # only the settings that differ from the class's defaults
         defaults = ReplacementOperator.from_dict({"class_path": path}).init_args()
@@ -361,12 +362,12 @@ def operator_label(spec: dict) -> str:
 
 def _trained_rows(path: Path, val_batches, cache_length: int, device, long: dict, original: dict) -> list[dict]:
     """A ``--trained`` directory measured like the other rows; its beta and operator are read
-    from its head map and config. A hybrid model gets a second row with its state switched off
-    (:func:`rfkit.models.hybrid.state_off`): same window, same cache, so the gap is what the state
-    carries from beyond the window."""
+    from its head map and config. A model whose mixers can switch their state off (the hybrid)
+    gets a second row without it (:func:`rfkit.models.mixer.ablate_states`): same window, same
+    cache, so the gap is what the state carries from beyond the window."""
     from rfkit.config.loading import load_model
     from rfkit.conversion.headmap import HeadMap
-    from rfkit.models.hybrid import state_off
+    from rfkit.models.mixer import ablate_states
 
     head_map = HeadMap.load(path / "head_map.json")
     model = load_model(str(path), device=device).model
@@ -376,7 +377,7 @@ def _trained_rows(path: Path, val_batches, cache_length: int, device, long: dict
             "total_heads": head_map.total_heads, "transferred": True, "trained": True, "model": str(path)}  # fmt: skip
     t0 = time.time()
     rows = [_ratios({**base, "operator": f"{label} trained", **measure(model, val_batches, cache_length, device, f"perplexity ({path})", long)}, original, t0)]
-    with state_off(model) as blocks:
+    with ablate_states(model) as blocks:
         if blocks:
             t0 = time.time()
             measured = measure(model, val_batches, cache_length, device, f"perplexity ({path}, state off)", long)
@@ -485,7 +486,7 @@ def main(argv: list[str]) -> int:
     args.overrides = check_overrides(overrides)
     validate(args)
     result = run(args)
-    write_report(args.output_dir, "sweep", result, markdown(result), plot)
+    write_report(args.output_dir, "sweep", result, markdown(result), plot, "rfkit sweep " + shlex.join(argv))
     if not args.no_record:
         record_trained(result, "rfkit sweep " + shlex.join(argv))
     return 0

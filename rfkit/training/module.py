@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from jsonargparse import lazy_instance
 
+from rfkit.classpath import public_path
 from rfkit.conversion.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
 from rfkit.conversion.headmap import HeadMap
 from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
@@ -223,6 +224,8 @@ class RecurFormerModule(L.LightningModule):
         from rfkit.training.checkpointing import CheckpointError
 
         ours, theirs = self.operator.to_dict(), meta.get("operator")
+        if isinstance(theirs, dict) and isinstance(theirs.get("class_path"), str):  # older: rfkit.models.operators.X
+            theirs = {**theirs, "class_path": public_path(theirs["class_path"])}
         if theirs and theirs != ours:
             raise CheckpointError(
                 f"--ckpt_path: '{path}' was trained with another model.operator ({_difference(theirs, ours)}); "

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from helpers import SMOLLM, random_ids, run_cli, tiny_model
-from rfkit.callbacks.perplexity import evaluate_perplexity
+from rfkit.evals.perplexity import evaluate_perplexity
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rfkit.data import TextDataModule, load_documents, split_documents

@@ -182,7 +182,7 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
         for key, ppl in row["long_ppl"].items():
             assert row["long_ppl_ratio"][key] == pytest.approx(ppl / result["original"]["long_ppl"][key])
     # the trained directory is measured as saved: its perplexity is what loading it gives
-    from rfkit.callbacks.perplexity import evaluate_perplexity
+    from rfkit.evals.perplexity import evaluate_perplexity
 
     from rfkit.config.loading import load_model
     from rfkit.data import TextDataModule

@@ -107,7 +107,7 @@ def test_kill_9_mid_training_then_ckpt_path_last_resumes_to_the_same_result(unin
     meta = read_meta(ckpts / "last.ckpt")
     whole_map = json.loads(next(uninterrupted["root"].rglob("head_map.json")).read_text())
     assert meta["head_map"]["selected"] == whole_map["selected"]
-    assert meta["operator"]["class_path"] == "rfkit.models.operators.MambaOperator"
+    assert meta["operator"]["class_path"] == "rfkit.operators.MambaOperator"  # what the recipe writes
     assert meta["data_position"] == {"epoch": 0, "batches": 4}
     assert any(".mixer." in key for key in checkpoint["state_dict"])
 
