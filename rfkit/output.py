@@ -4,8 +4,12 @@ rfkit's own lines always show: one line per phase, its warnings (a slow fallback
 kernel, an unreadable cache) and its errors. Other libraries' chatter is off by default:
 Lightning's info lines (accelerator found, tips advertising other products), deprecation and
 future warnings raised inside Lightning, jsonargparse, transformers, torch and peft, Lightning's
-tensorboardX notice, and transformers' weight-loading bars. ``rfkit --verbose COMMAND`` (or
-``RFKIT_VERBOSE=1``) shows all of it again; ``RFKIT_LOG=DEBUG`` sets rfkit's own log level.
+tensorboardX notice, and transformers' weight-loading bars; and on ``rfkit fit``'s screen,
+Lightning's model summary table (``| Name | Type | Params ...``, ``Total FLOPs``) and its
+``Training`` / ``Epoch 0`` bar lines before rfkit's step bar (:mod:`rfkit.config.lightning_cli`
+and :class:`rfkit.training.progress.StepProgressBar` ask :func:`verbose`). ``rfkit --verbose
+COMMAND`` (or ``RFKIT_VERBOSE=1``) shows all of it again; ``RFKIT_LOG=DEBUG`` sets rfkit's own
+log level.
 
 :mod:`rfkit.cli` calls :func:`configure_output` once per command.
 """
@@ -53,6 +57,11 @@ def configure_output(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY)
     warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
     warnings.filterwarnings("ignore", message=r".*does not have many workers")  # CPU runs read packed blocks in-process
+
+
+def verbose() -> bool:
+    """Whether this command runs with ``--verbose`` (``RFKIT_VERBOSE=1``)."""
+    return _verbose
 
 
 def quiet_lightning() -> None:

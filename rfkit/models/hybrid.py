@@ -21,8 +21,10 @@ KV head, shared by its query heads). Both parts share one softmax normaliser::
 old token, so the old tokens compete with the window on the softmax's own scale. ``gate`` starts
 at 0: a freshly built block *is* the training-free sink + recent block, exactly, and training
 (attention transfer, then distillation) can only move it from that known-good start.
-:meth:`HybridWindowAttention.calibrate` sets ``log_scale`` in closed form from the teacher's
-attention before training opens the gate.
+:meth:`HybridWindowAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
+attention transfer calls) sets ``log_scale`` in closed form from the teacher's attention before
+training opens the gate; :meth:`HybridWindowAttention.state_ablation` closes the gate for the
+"state off" evaluations.
 
 Window dropout: in training mode, with probability ``window_dropout`` a forward uses a random
 shorter window (between ``window // 4`` and ``window``), so the tokens between the two must be
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfkit.models.mixer import ablate_states
 from rfkit.models.window import TILE, WindowAttention
 
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
@@ -343,19 +346,23 @@ class HybridWindowAttention(WindowAttention):
         self.gate.fill_(1.0)
         return {"log_scale": logs, "old_share": share}
 
+    # -- state ablation --------------------------------------------------------------------------
+    has_state_ablation = True
 
-@contextlib.contextmanager
-def state_off(model: nn.Module):
-    """Within the block, every hybrid block of ``model`` runs with its gate closed: its trained
-    window alone, the ablation that shows what the state adds (the cache is unchanged)."""
-    blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
-    saved = [b.gate.detach().clone() for b in blocks]
-    try:
-        with torch.no_grad():
-            for b in blocks:
-                b.gate.zero_()
-        yield len(blocks)
-    finally:
-        with torch.no_grad():
-            for b, g in zip(blocks, saved):
-                b.gate.copy_(g)
+    @contextlib.contextmanager
+    def state_ablation(self):
+        """Within the block, the gate is closed: the trained window alone, the same cache (the
+        "state off" rows of ``rfkit eval context`` and ``rfkit sweep --trained``). The gate is
+        restored exactly on exit."""
+        saved = self.gate.detach().clone()
+        try:
+            with torch.no_grad():
+                self.gate.zero_()
+            yield
+        finally:
+            with torch.no_grad():
+                self.gate.copy_(saved)
+
+
+#: the model-level ablation, under the name the docs and older code use
+state_off = ablate_states

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfkit.models.mixer import ReplacementMixer
 from rfkit.ops import cpu_kernels
 from rfkit.ops.cpu_kernels import mamba_step_cpu, selective_scan_cpu
 from rfkit.ops.scan import check_positive_int, compute_dtype, selective_scan_prefix
@@ -76,7 +77,7 @@ def _check_positive_float(name: str, value) -> float:
     return float(value)
 
 
-class MambaBlock(nn.Module):
+class MambaBlock(ReplacementMixer):
     """Mamba (S6) mixer mapping (B, L, d_in) -> (B, L, d_out).
 
     Layout and initialisation follow the reference Mamba block (``in_proj`` -> depthwise causal

@@ -13,6 +13,9 @@ replaced heads' outputs ``(B, L, d_out)`` in their original head order. Its call
 holds padding (a left-padded batch), the two forward calls also get ``mask=`` (B, L), 1 for
 real tokens; pad tokens must leave the state untouched. Unpadded input never sends a mask.
 ``mixer.state_bytes(batch_size, dtype)`` gives the bytes of one state (cache accounting).
+What else the pipeline may ask of a mixer (calibration before attention transfer, switching its
+state off for the "state off" evaluations) are the optional hooks of
+:class:`rfkit.models.mixer.ReplacementMixer`; subclass it for their defaults.
 
 What ``x`` holds is the operator's :attr:`ReplacementOperator.inputs`: ``"values"`` (the default,
 RecurFormer's choice) is the replaced heads' KV-head values only; ``"qkv"`` is their rotated
@@ -30,6 +33,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from rfkit.classpath import class_path
 from rfkit.errors import RFKitError
 from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, one_of, positive_int
 
@@ -61,7 +65,7 @@ class ReplacementOperator(ABC):
         return {}
 
     def to_dict(self) -> dict:
-        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": self.init_args()}
+        return {"class_path": class_path(type(self)), "init_args": self.init_args()}
 
     @staticmethod
     def from_dict(spec: dict) -> "ReplacementOperator":

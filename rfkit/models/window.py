@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from rfkit.models.mixer import ReplacementMixer
 from rfkit.ops import cpu_kernels
 
 # Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
@@ -74,7 +74,7 @@ def left_padding(mask: torch.Tensor) -> list[int] | None:
     return (L - count).tolist()
 
 
-class WindowAttention(nn.Module):
+class WindowAttention(ReplacementMixer):
     """Attention of ``num_heads`` query heads over a sink + recent window of their KV heads.
 
     Args:

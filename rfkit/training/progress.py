@@ -4,13 +4,15 @@ counts optimizer steps.
 * :class:`Phases` times the phases of a run (load, profile, measure, transfer, train, save) and
   logs one line as each ends; the seconds go into ``summary.json`` under ``phases``.
 * :class:`StepProgressBar` is Lightning's tqdm bar, except that a step-bounded run
-  (``trainer.max_steps`` set) reads ``train: 12/20 steps`` instead of ``Epoch 0/-2``; runs bounded
-  by epochs keep Lightning's epoch bar.
+  (``trainer.max_steps`` set) reads ``train (steps): 12/20`` instead of ``Epoch 0/-2``, and its
+  bar starts as that: no ``Training: 0/?`` or ``Epoch 0`` line before it (``--verbose`` keeps
+  Lightning's start); runs bounded by epochs keep Lightning's epoch bar.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from contextlib import contextmanager
 
@@ -77,19 +79,45 @@ class StepProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, counting optimizer steps out of ``trainer.max_steps`` when the run is
     step-bounded (as every rfkit recipe is); an epoch-bounded run gets Lightning's own bar."""
 
+    DESCRIPTION = "train (steps)"
+
     @staticmethod
     def _steps(trainer) -> int | None:
         return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
 
+    def _quiet(self, trainer) -> bool:
+        """Start the step bar as itself, skipping Lightning's ``Training: 0/?`` and ``Epoch 0``
+        lines (step-bounded runs without ``--verbose``)."""
+        from rfkit.output import verbose
+
+        return self._steps(trainer) is not None and not verbose()
+
+    def init_train_tqdm(self):
+        trainer = self.trainer
+        if not self._quiet(trainer):
+            return super().init_train_tqdm()
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        # Lightning's training bar, created already reading "train (steps): n/total"
+        return Tqdm(
+            desc=self.DESCRIPTION, total=self._steps(trainer), initial=trainer.global_step,
+            position=2 * self.process_position, disable=self.is_disabled, leave=True,
+            dynamic_ncols=True, file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT,
+        )  # fmt: skip
+
     def on_train_epoch_start(self, trainer, *args) -> None:
-        super().on_train_epoch_start(trainer, *args)
         total = self._steps(trainer)
-        if total is None:
-            return
+        if not self._quiet(trainer):
+            super().on_train_epoch_start(trainer, *args)
+            if total is None:
+                return
         bar = self.train_progress_bar
+        showing = getattr(bar, "desc", "").startswith(self.DESCRIPTION)
+        if showing and bar.total == total and bar.n == trainer.global_step:
+            return  # already showing where the run stands (a quiet bar, or a later epoch)
         bar.reset(total=total)
         bar.n = bar.last_print_n = trainer.global_step  # a resumed run starts where it stopped
-        bar.set_description("train (steps)")
+        bar.set_description(self.DESCRIPTION)
         bar.refresh()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -8,9 +8,11 @@ layers side by side and independently (each block's loss reaches only its own pa
 LoLCATs does for linear attention. No full-model backward runs: each step costs a few small
 block forwards and backwards.
 
-Before the gradient steps, ``readout: lstsq`` sets each block's output projection to the
-least-squares fit of the target from the block's features (closed form, ridge-regularised),
-so training starts from the best linear read-out of the initial block.
+Before the gradient steps, each block is asked to calibrate itself from its captured inputs
+(:meth:`rfkit.models.mixer.ReplacementMixer.calibrate`; the hybrid sets its state's scale and
+opens its gate). A block that calibrates nothing gets, with ``readout: lstsq``, its output
+projection set to the least-squares fit of the target from the block's features (closed form,
+ridge-regularised), so training starts from the best linear read-out of the initial block.
 
 Per-layer MSE is reported before and after, relative to the target's mean square (1.0 is what
 a block that outputs zeros scores).
@@ -252,9 +254,15 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
     before = evaluate(mixers, data, config.batch_size)
     start_weights = {i: {k: v.detach().clone() for k, v in m.state_dict().items()} for i, m in mixers.items()}
     calibration = {}
+    from rfkit.models.mixer import calibrate_mixer
+
     for i, mixer in mixers.items():
-        if hasattr(mixer, "calibrate"):  # hybrid blocks: scale the state's weights, open the gate
-            calibration[str(i)] = mixer.calibrate(data[i][0][: config.batch_size].to(next(mixer.parameters()).device))
+        # the mixer's own calibration hook (the hybrid scales its state's weights and opens its
+        # gate); a mixer that calibrates nothing gets the least-squares read-out instead
+        device = next((p.device for p in mixer.parameters()), torch.device("cpu"))
+        calibrated = calibrate_mixer(mixer, data[i][0][: config.batch_size].to(device))
+        if calibrated is not None:
+            calibration[str(i)] = calibrated
         elif config.readout == "lstsq" and hasattr(mixer, "out_proj"):
             solve_readout(mixer, *data[i], ridge=config.ridge, batch_size=config.batch_size)
     after_readout = evaluate(mixers, data, config.batch_size)

@@ -261,10 +261,10 @@ def test_fit_under_fsdp_saves_the_gathered_model(single_run, tiny_model_dir, tin
     """FSDP with the 7B recipes' settings (decoder-layer wrapping and activation checkpointing,
     full sharding), on 2 CPU processes: the summary gathers the sharded weights (LoRA merged)
     into a saved model that computes exactly the perplexity the sharded model measured."""
-    from rfkit.callbacks import evaluate_perplexity
     from transformers import AutoModelForCausalLM
 
     from rfkit.data import TextDataModule
+    from rfkit.evals.perplexity import evaluate_perplexity
 
     layer = "[transformers.models.llama.modeling_llama.LlamaDecoderLayer]"
     run = fit_run(

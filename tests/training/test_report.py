@@ -54,6 +54,24 @@ def test_tiny_fit_ends_with_the_table_the_path_and_the_next_commands(tiny_model_
         assert noise not in err, noise
 
 
+@pytest.mark.slow
+def test_lightnings_model_summary_and_epoch_bar_show_only_with_verbose(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    screens = {}
+    for flags in ([], ["--verbose"]):
+        args = tiny_args(tiny_model_dir, tiny_corpus, f"run{len(flags)}")
+        args[args.index("--trainer.enable_progress_bar") + 1] = "true"
+        args[args.index("--trainer.max_steps") + 1] = "1"
+        code, out, err = run_cli([*flags, "fit", *args], capsys)
+        assert code == 0, err
+        screens[bool(flags)] = out + err
+    quiet, verbose = screens[False], screens[True]
+    assert "train (steps)" in quiet and "rfkit fit: done" in quiet  # rfkit's own bar and end screen
+    for lightning in ("Total FLOPs", "Total params", "Name", "Epoch 0", "Training:"):
+        assert lightning not in quiet, lightning
+    assert "Total params" in verbose and "Name" in verbose and "Epoch 0" in verbose
+
+
 def test_the_table_shows_only_what_was_measured():
     rows = summary_table({"ppl_original": 15.81, "replaced_heads": 135, "total_heads": 270})
     assert any(r.split() == ["perplexity", "15.81", "-", "-"] for r in rows)
