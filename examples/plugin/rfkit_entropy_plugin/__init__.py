@@ -39,7 +39,7 @@ class EntropyPolicy(HeadSelectionPolicy):
 
     A head's score is its mean normalised attention entropy over the calibration set
     (``profile.entropy_mean``: 1 is attention spread evenly over the prefix, 0 is attention on a
-    single token; see :mod:`rfkit.profile`). ``prefer: high`` (the default) replaces the most
+    single token; computed in :mod:`rfkit.conversion.profile`). ``prefer: high`` (the default) replaces the most
     diffuse heads: their output is close to an average over the context, which a recurrent
     state summarises well. Focused heads (retrieval, copying, strictly local) are kept. With
     ``exclude_first_token`` the attention sink (token 0) is left out of the entropy, so a sink
