@@ -84,3 +84,21 @@ def test_the_demo_screen_shows_rfkits_lines_and_no_lightning_summary_or_epoch_ba
     assert "rfkit fit: done in" in screen and "rfkit: train" in screen and "rfkit: save" in screen
     for noise in ("Total FLOPs", "| Name", "Epoch 0", "Trainable params"):
         assert noise not in screen, f"the demo screen shows Lightning's {noise!r}"
+
+
+def test_the_demo_screen_keeps_each_bar_at_its_last_state_and_drops_transient_bars():
+    spec = importlib.util.spec_from_file_location("rf_demo_screen", ROOT / "benchmarks" / "demo_screen.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    captured = (
+        "rfkit: load   0.1 s\n"
+        "transfer: train:   0%|   | 0/2 [00:00<?, ?step/s]\rtransfer: train:  50%|#  | 1/2\n"
+        "transfer: train: 100%|## | 2/2 [00:02<00:00]\n"
+        "\n"
+        "Validation DataLoader 0:  50%|#  | 1/2\n"
+        "train (steps): 100%|## | 20/20\n"
+        "rfkit fit: done in 8 min\n"
+    )
+    assert module.screen(captured) == (
+        "rfkit: load   0.1 s\ntransfer: train: 100%|## | 2/2 [00:02<00:00]\n\ntrain (steps): 100%|## | 20/20\nrfkit fit: done in 8 min\n"
+    )
