@@ -3,30 +3,13 @@ and where the remaining loss sits (``benchmarks/revert_layers.py``), both on the
 
 from __future__ import annotations
 
+from quality import markdown  # benchmarks/quality.py: the script that measured these
 from tables import load, table
 
 
 def _quality(relpath: str) -> str:
-    """The table ``benchmarks/quality.py`` writes into quality.md, with its header line."""
-    result = load(relpath)
-    lines = [
-        f"Budget {result['budget_seconds']:.0f} s per method (wall clock, {result['threads']} threads), "
-        f"{result['val_blocks']} validation blocks of {result['seq_len']} tokens; original PPL {result['ppl_original']:.3f}.",
-        "",
-        "| beta | method | PPL | PPL ratio | transfer rel. MSE (before -> after) | train tokens (e2e) | seconds | params +/- |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        mse = (
-            f"{r['transfer_mse_before']:.3f} -> {r['transfer_mse_after']:.3f} ({r['transfer_steps']} steps)"
-            if "transfer_mse_after" in r
-            else "-"
-        )
-        lines.append(
-            f"| {r['beta']:g} | {r['method']} | {r['ppl']:.2f} | {r['ppl_ratio']:.3f} | {mse} | "
-            f"{r['train_tokens']:,} | {r['seconds']:.0f} | +{r['params_added']:,} / -{r['params_removed']:,} |"
-        )
-    return "\n".join(lines)
+    """The table ``benchmarks/quality.py`` writes into quality.md (its own ``markdown``), with its header line."""
+    return markdown(load(relpath))
 
 
 @table("quality_b05")

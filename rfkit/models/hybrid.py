@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rfkit.models.mixer import ablate_states
 from rfkit.models.window import TILE, WindowAttention
 
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
@@ -363,6 +362,3 @@ class HybridWindowAttention(WindowAttention):
             with torch.no_grad():
                 self.gate.copy_(saved)
 
-
-#: the model-level ablation, under the name the docs and older code use
-state_off = ablate_states

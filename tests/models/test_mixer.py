@@ -13,7 +13,7 @@ import torch
 from helpers import random_ids, tiny_model
 from torch import nn
 
-from rfkit.models.hybrid import HybridWindowAttention, state_off
+from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.mixer import ReplacementMixer, ablatable_mixers, ablate_states, calibrate_mixer
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator, ReplacementOperator
@@ -147,8 +147,7 @@ def test_the_hybrid_closes_its_gates_through_the_interface():
     for b in blocks:
         with torch.no_grad():
             b.gate.fill_(0.7)
-    assert state_off is ablate_states  # the old name
-    with state_off(model) as count:
+    with ablate_states(model) as count:
         assert count == 2 and all(torch.all(b.gate == 0) for b in blocks)
     assert all(torch.all(b.gate == 0.7) for b in blocks)
 
