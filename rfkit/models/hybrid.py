@@ -76,6 +76,8 @@ class HybridWindowAttention(WindowAttention):
         feature_dim: Width ``f`` of the feature map (even); the state holds ``f * (hd + 1)``
             numbers per KV head.
         window_dropout: Probability that a training forward uses a shorter window.
+        decay_horizon: Initial horizon ``H`` of the learned per-KV-head state decay
+            ``gamma = exp(-1 / H)`` (module docstring); ``None``: no decay.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class HybridWindowAttention(WindowAttention):
         scaling: float | None = None,
         feature_dim: int = 16,
         window_dropout: float = 0.0,
+        decay_horizon: float | None = None,
     ):
         super().__init__(kv_for_query, head_dim, window=window, sink=sink, scaling=scaling)
         self.feature_dim = int(feature_dim)
@@ -95,10 +98,16 @@ class HybridWindowAttention(WindowAttention):
         self.feature_map = nn.Parameter(torch.randn(self.num_kv_heads, head_dim, half) * head_dim**-0.5)
         self.gate = nn.Parameter(torch.zeros(self.num_heads))
         self.log_scale = nn.Parameter(torch.zeros(self.num_heads))
+        # log H per KV head (learned): gamma = exp(-1/H). Absent without decay, so models saved
+        # before it existed load unchanged.
+        self.decay_horizon = None if decay_horizon is None else float(decay_horizon)
+        horizon = None if decay_horizon is None else torch.full((self.num_kv_heads,), math.log(float(decay_horizon)))
+        self.log_horizon = None if horizon is None else nn.Parameter(horizon)
         self._generator: torch.Generator | None = None
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_dim={self.feature_dim}, window_dropout={self.window_dropout}"
+        decay = "" if self.decay_horizon is None else f", decay_horizon={self.decay_horizon:g}"
+        return f"{super().extra_repr()}, feature_dim={self.feature_dim}, window_dropout={self.window_dropout}{decay}"
 
     # -- state ---------------------------------------------------------------------------------
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, ...]:
@@ -145,6 +154,28 @@ class HybridWindowAttention(WindowAttention):
         low = max(1, self.window // 4)
         return int(torch.randint(low, self.window + 1, (), generator=generator))
 
+    def log_decay(self) -> torch.Tensor | None:
+        """``log gamma = -1 / H`` per KV head ``(Hkv,)`` (H at least one token), or None without
+        decay. A token that left the window ``a`` steps ago weighs ``gamma ** a``."""
+        if self.log_horizon is None:
+            return None
+        return -torch.exp(-self.log_horizon.clamp_min(0.0))
+
+    def _powers(self, exponent: torch.Tensor, heads: str, dtype) -> torch.Tensor:
+        """``gamma ** exponent`` (exponent >= 0, any shape) per head: ``(H, *exponent.shape)``
+        with H the KV heads (``"kv"``), the query heads (``"query"``) or the query groups of
+        the tiled paths (``"group"``)."""
+        log_gamma = self.log_decay().to(dtype)
+        if heads == "query" or (heads == "group" and not self.grouped):
+            log_gamma = log_gamma.index_select(0, self._per_query_index(log_gamma.device))
+        return torch.exp(log_gamma.view(-1, *[1] * exponent.dim()) * exponent.to(dtype))
+
+    def kernel_decay(self) -> torch.Tensor | None:
+        """``gamma`` per KV head as contiguous float32 (the compiled kernels read it), or None."""
+        if self.log_horizon is None:
+            return None
+        return self._cached(("decay",), lambda: self.log_decay().exp().to(torch.float32).contiguous())
+
     def _log_weight(self, dtype) -> torch.Tensor:
         """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed."""
         if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
@@ -156,9 +187,10 @@ class HybridWindowAttention(WindowAttention):
         return self._cached(("kernel",), lambda: self.old_weight().to(torch.float32).contiguous())
 
     def _cached(self, name: tuple, make) -> torch.Tensor:
-        """A value derived from the gate and scale, computed without autograd and kept until
-        either changes (their in-place version counters and storage)."""
-        key = (self.gate._version, self.log_scale._version, self.gate.data_ptr(), self.log_scale.data_ptr())
+        """A value derived from the gate, scale and decay, computed without autograd and kept
+        until any changes (their in-place version counters and storage)."""
+        params = [p for p in (self.gate, self.log_scale, self.log_horizon) if p is not None]
+        key = tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
         cache = self.__dict__.setdefault("_derived", {})
         if cache.get(name, (None,))[0] != key:
             with torch.no_grad():
@@ -204,21 +236,51 @@ class HybridWindowAttention(WindowAttention):
         G, f = phi_k.shape[1], phi_k.shape[-1]
         pq = phi_q.view(B, G, self.rep, nC, C, f)
         pk, pv = phi_k.view(B, G, nC, C, f), old_v.reshape(B, G, nC, C, hd)
-        kv = pk.transpose(-1, -2) @ pv  # (B, G, nC, f, hd)
-        ksum = pk.sum(-2)  # (B, G, nC, f)
-        S_before = S0[:, :, None] + kv.cumsum(2) - kv
-        z_before = z0[:, :, None] + ksum.cumsum(2) - ksum
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         intra = (pq @ pk.transpose(-1, -2).unsqueeze(2)).masked_fill(~causal, 0)  # (B, G, rep, nC, C, C)
+        if self.log_horizon is None:
+            kv = pk.transpose(-1, -2) @ pv  # (B, G, nC, f, hd)
+            ksum = pk.sum(-2)  # (B, G, nC, f)
+            S_before = S0[:, :, None] + kv.cumsum(2) - kv
+            z_before = z0[:, :, None] + ksum.cumsum(2) - ksum
+        else:
+            pq, intra, S_before, z_before = self._decayed_chunks(pq, pk, pv, intra, S0, z0)
         a = pq @ S_before.unsqueeze(2) + intra @ pv.unsqueeze(2)  # (B, G, rep, nC, C, hd)
         zl = pq @ z_before.unsqueeze(2).unsqueeze(-1) + intra.sum(-1, keepdim=True)
         flat = lambda t: t.reshape(B, G, self.rep, nC * C, t.shape[-1])[:, :, :, :L]  # noqa: E731
         return self._mix(A, Z, m, flat(a), flat(zl))
 
+    def _decayed_chunks(self, pq, pk, pv, intra, S0, z0):
+        """The chunked linear part with the decay. Query ``i`` reads ``H_i = gamma^(i+1) S0 +
+        sum_{t <= i} gamma^(i-t) phi(k_t) v_t``; with ``i = cC + u`` that is ``gamma^(u+1) P_c``
+        plus the chunk's own tokens weighted ``gamma^(u-t)``, where ``P_c`` (the state after
+        index ``cC - 1``) is ``gamma^(cC) S0 + sum_{c' < c} gamma^(C(c-1-c')) K_c'`` and ``K_c'``
+        the chunk's tokens weighted to its end. Every power has a non-negative exponent."""
+        nC, C = pk.shape[2], pk.shape[3]
+        u, c = torch.arange(C, device=pk.device), torch.arange(nC, device=pk.device)
+        power = lambda e: self._powers(e, "group", pk.dtype)  # noqa: E731
+        intra = intra * power((u[:, None] - u[None, :]).clamp_min(0))[None, :, None, None]  # (G, C, C)
+        to_end = power(C - 1 - u)  # (G, C)
+        wk = pk * to_end[None, :, None, :, None]
+        kv, ksum = wk.transpose(-1, -2) @ pv, wk.sum(-2)  # (B, G, nC, f, hd), (B, G, nC, f)
+        lag = c[:, None] - 1 - c[None, :]
+        carry = power(C * lag.clamp_min(0)) * (lag >= 0)  # (G, nC, nC)
+        start = power(C * c)  # (G, nC): gamma^(cC)
+        S_before = torch.einsum("gcd,bgdfh->bgcfh", carry, kv) + start[None, :, :, None, None] * S0[:, :, None]
+        z_before = torch.einsum("gcd,bgdf->bgcf", carry, ksum) + start[None, :, :, None] * z0[:, :, None]
+        pq = pq * power(u + 1)[None, :, None, None, :, None]  # (B, G, rep, nC, C, f)
+        return pq, intra, S_before, z_before
+
     def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
         phi_k, old_v = ctx["fold"]
-        S = state[3] + phi_k.transpose(-1, -2) @ old_v
-        z = state[4] + phi_k.sum(2)
+        S0, z0 = state[3], state[4]
+        if self.log_horizon is not None:  # the state moves L steps: S0 decays by gamma^L, index t by gamma^(L-1-t)
+            t = torch.arange(L, device=phi_k.device)
+            phi_k = phi_k * self._powers(L - 1 - t, "kv", phi_k.dtype)[None, :, :, None]
+            gamma_L = self._powers(torch.tensor(float(L)), "kv", S0.dtype)  # (Hkv,)
+            S0, z0 = S0 * gamma_L[None, :, None, None], z0 * gamma_L[None, :, None]
+        S = S0 + phi_k.transpose(-1, -2) @ old_v
+        z = z0 + phi_k.sum(2)
         return super()._next_state(state, ctx, seen, L) + (S, z)
 
     # -- one decode token ------------------------------------------------------------------------
@@ -232,6 +294,10 @@ class HybridWindowAttention(WindowAttention):
             k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
             phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]
             phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
+        if self.log_horizon is not None:  # every step ages the state by one token
+            gamma = self._cached(("gamma", S.dtype, S.device), lambda: self.log_decay().exp().to(S.device, S.dtype))
+            S.mul_(gamma[None, :, None, None])
+            z.mul_(gamma[None, :, None])
         S.addcmul_(phi.unsqueeze(-1), v_old.unsqueeze(-2))
         z.add_(phi)
 
@@ -298,8 +364,17 @@ class HybridWindowAttention(WindowAttention):
         phi_q = self.features(q, per_query=True)  # (B, Hq, L, f)
         phi_k = self.features(cand_k, per_query=False)  # (B, Hkv, w+L, f)
         lin = (phi_q @ self._per_query(phi_k).transpose(-1, -2)) * old[:, None].to(q.dtype)  # (B, Hq, L, w+L)
-        a = lin @ self._per_query(cand_v) + phi_q @ self._per_query(kv_sum)
-        zl = lin.sum(-1, keepdim=True) + phi_q @ self._per_query(k_sum.unsqueeze(-1))
+        a_state, zl_state = phi_q @ self._per_query(kv_sum), phi_q @ self._per_query(k_sum.unsqueeze(-1))
+        if self.log_horizon is not None:
+            # a token of rank j weighs gamma^(r - window - j) for a query of rank r; the state,
+            # whose youngest token has rank seen - 1 - self.window, is aged to the query
+            age = (rank[:, :, None] - window - cand_rank[:, None, :]).clamp_min(0)  # (B, L, w+L)
+            lin = lin * self._powers(age, "query", q.dtype).transpose(0, 1)
+            state_age = (rank - window - (state[2][:, None] - 1 - self.window)).clamp_min(0)  # (B, L)
+            aged = self._powers(state_age, "query", q.dtype).transpose(0, 1)[..., None]  # (B, Hq, L, 1)
+            a_state, zl_state = a_state * aged, zl_state * aged
+        a = lin @ self._per_query(cand_v) + a_state
+        zl = lin.sum(-1, keepdim=True) + zl_state
 
         out = {"real": real, "state": None}
         if with_state:
@@ -307,6 +382,11 @@ class HybridWindowAttention(WindowAttention):
             limit = window_state[2] - 1 - self.window  # ranks <= limit are old after the chunk
             fold = ((cand_rank >= self.sink) & (cand_rank <= limit[:, None]) & (cand_rank >= 0)).to(k.dtype)
             phi_fold = phi_k * fold[:, None, :, None]
+            if self.log_horizon is not None:  # weights relative to the new youngest rank, limit
+                ages = (limit[:, None] - cand_rank).clamp_min(0)  # (B, w+L)
+                phi_fold = phi_fold * self._powers(ages, "kv", k.dtype).transpose(0, 1)[..., None]
+                moved = self._powers(window_state[2] - state[2], "kv", k.dtype).transpose(0, 1)  # (B, Hkv)
+                kv_sum, k_sum = kv_sum * moved[..., None, None], k_sum * moved[..., None]
             out["state"] = window_state + (kv_sum + phi_fold.transpose(-1, -2) @ cand_v, k_sum + phi_fold.sum(2))
         return out, (A, Z, a, zl, m)
 
@@ -332,6 +412,8 @@ class HybridWindowAttention(WindowAttention):
         true_old = torch.exp(scores - m).masked_fill(~old, 0).sum(-1)  # (B, Hq, L)
         true_win = torch.exp(scores - m).masked_fill(~win, 0).sum(-1)
         phi = (self.features(q, True) @ self._per_query(self.features(k, False)).transpose(-1, -2)).masked_fill(~old, 0)
+        if self.log_horizon is not None:
+            phi = phi * self._powers((i - self.window - j).clamp_min(0), "query", phi.dtype)
         lin_old = phi.sum(-1) * torch.exp(-m.squeeze(-1).clamp_min(_MIN_MAX_SCORE))
         has_old = old.any(-1)[None, None].expand_as(true_old)
         logs, share = [], []

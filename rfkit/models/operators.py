@@ -35,7 +35,7 @@ from torch import nn
 
 from rfkit.classpath import class_path
 from rfkit.errors import RFKitError
-from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, one_of, positive_int
+from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, in_range, one_of, positive_int
 
 
 class OperatorError(RFKitError):
@@ -284,23 +284,36 @@ class HybridOperator(SinkRecentOperator):
         window_dropout: Probability that a training forward shortens the window (to between
             ``window // 4`` and ``window``), so the state must learn to carry what the window
             drops. 0 turns it off.
+        decay_horizon: Initial horizon ``H`` (tokens) of a learned per-KV-head decay of the state:
+            a token that left the window ``a`` tokens ago weighs ``exp(-a / H)``, so the state
+            holds about the last ``H`` evicted tokens at any length and reads the same at 8k as
+            at the training length. ``None`` (the default of models saved before it existed):
+            no decay, every old token weighs the same.
     """
 
     trainable = True
 
-    def __init__(self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5):
+    def __init__(
+        self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5,
+        decay_horizon: float | None = None,
+    ):  # fmt: skip
         super().__init__(sink=sink, window=window)
         even = "{field}: {value!r} is not allowed; must be an even integer >= {minimum}"
         self.feature_dim = _positive_int("feature_dim", feature_dim, minimum=2, multiple_of=2, message=even)
         self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
+        in_range("model.operator.decay_horizon", decay_horizon, 1, finite=True, optional=True, error=OperatorError)
+        self.decay_horizon = None if decay_horizon is None else float(decay_horizon)
 
     def init_args(self) -> dict:
-        return {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}
+        args = {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}
+        if self.decay_horizon is not None:  # absent when off: old configs and new ones read alike
+            args["decay_horizon"] = self.decay_horizon
+        return args
 
     def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
         from rfkit.models.hybrid import HybridWindowAttention
 
         return HybridWindowAttention(
             kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
-            feature_dim=self.feature_dim, window_dropout=self.window_dropout,
+            feature_dim=self.feature_dim, window_dropout=self.window_dropout, decay_horizon=self.decay_horizon,
         )  # fmt: skip

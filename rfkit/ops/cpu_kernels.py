@@ -102,10 +102,10 @@ def _load():
             lib.rf_mamba_step_f32.restype = ctypes.c_int
             lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
             lib.rf_window_step_f32.restype = ctypes.c_int
-            lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+            lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
             lib.rf_window_prefill_f32.restype = ctypes.c_int
             lib.rf_window_prefill_f32.argtypes = (
-                [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int64] * 2
+                [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int64] * 2
             )
             _state["lib"] = lib
         except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
@@ -222,7 +222,8 @@ def window_step_cpu(block, q, k, v, state) -> torch.Tensor:
         q.data_ptr(), k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(),
         None if S is None else S.data_ptr(), None if z is None else z.data_ptr(),
         block.feature_map.data_ptr() if hybrid else None, block.kernel_weights().data_ptr() if hybrid else None,
-        block.kernel_index().data_ptr(), out.data_ptr(), q.shape[0], block.num_heads, block.num_kv_heads,
+        _ptr(block.kernel_decay()) if hybrid else None, block.kernel_index().data_ptr(), out.data_ptr(), q.shape[0],
+        block.num_heads, block.num_kv_heads,
         block.head_dim, block.sink, block.window, block.feature_dim if hybrid else 0, block.scaling,
     )  # fmt: skip
     if rc != 0:
@@ -253,7 +254,8 @@ def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
     out = torch.empty(B, L, block.num_heads * block.head_dim, dtype=f32)
     args = [q.data_ptr(), *(t.data_ptr() for t in parts), _ptr(S), _ptr(z),
             _ptr(block.feature_map.detach().to(f32).contiguous()) if hybrid else None,
-            block.kernel_weights().data_ptr() if hybrid else None, block.kernel_index().data_ptr(), out.data_ptr(),
+            block.kernel_weights().data_ptr() if hybrid else None, _ptr(block.kernel_decay()) if hybrid else None,
+            block.kernel_index().data_ptr(), out.data_ptr(),
             block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window,
             block.feature_dim if hybrid else 0, L, seen, q.stride(0), q.stride(1), q.stride(2), block.scaling]  # fmt: skip
     rows = B * block.num_kv_heads

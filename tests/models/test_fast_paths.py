@@ -1,7 +1,7 @@
 """The window mixers' inference paths (one-token step over a ring buffer, tiled prefill) against
 the general rank-masked path and a naive masked attention with the recurrence written out, in
 float64: across tile, window and prefill-piece boundaries, with left padding, for the hybrid with
-its gate open and closed, and without a sink."""
+its gate open and closed, with a state decay, and without a sink."""
 
 from __future__ import annotations
 
@@ -22,12 +22,15 @@ HD, W = 8, 7
 def block(kind: str, sink: int, kvq=KVQ) -> WindowAttention:
     if kind == "window":
         return WindowAttention(kvq, HD, window=W, sink=sink).double().eval()
-    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=4).double().eval()
-    if kind == "hybrid_open":
+    decay = 3.0 if kind == "hybrid_decay" else None
+    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=4, decay_horizon=decay).double().eval()
+    if kind in ("hybrid_open", "hybrid_decay"):
         with torch.no_grad():
             b.gate.copy_(torch.linspace(0.3, 1.2, len(kvq), dtype=torch.float64))
             b.gate[1] = 0.0  # one closed head beside open ones
             b.log_scale.copy_(torch.linspace(-0.4, 0.6, len(kvq), dtype=torch.float64))
+            if decay is not None:  # a different horizon per KV head: 2 and 9 tokens
+                b.log_horizon.copy_(torch.log(torch.tensor([2.0, 9.0][: b.num_kv_heads], dtype=torch.float64)))
     return b
 
 
@@ -60,13 +63,16 @@ def masked_reference(b: WindowAttention, q, k, v) -> torch.Tensor:
             return torch.cat([proj.softmax(-1), (-proj).softmax(-1)], -1)
 
         lin = (phi(q) @ phi(kq).transpose(-1, -2)).masked_fill(~old, 0)
+        if b.log_horizon is not None:  # a token that left the window a steps ago weighs gamma^a
+            gamma = torch.exp(-1 / b.log_horizon.detach().exp()).index_select(0, idx)
+            lin = lin * gamma[None, :, None, None] ** (i - b.window - j).clamp_min(0)
         c = b.old_weight().detach()[None, :, None, None] * torch.exp(-m.clamp_min(-60.0))
         num, den = num + c * (lin @ vq), den + c * lin.sum(-1, keepdim=True)
     y = num / den
     return y.transpose(1, 2).reshape(q.shape[0], L, -1)
 
 
-KINDS = ["window", "hybrid_open", "hybrid_closed"]
+KINDS = ["window", "hybrid_open", "hybrid_closed", "hybrid_decay"]
 LENGTHS = [W - 1, W, W + 1, 2 * W + 3, 1025]
 
 
@@ -139,11 +145,12 @@ def test_left_padded_rows_match_the_unpadded_prompt_then_decode_together(kind):
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
-def test_uneven_query_groups_take_the_same_paths():
+@pytest.mark.parametrize("kind", ["hybrid_open", "hybrid_decay"])
+def test_uneven_query_groups_take_the_same_paths(kind):
     """Query heads not evenly grouped over KV heads (kv_for_query [0, 0, 1]): keys are gathered per
     query head, with the same results."""
     kvq = [0, 0, 1]
-    b = block("hybrid_open", sink=2, kvq=kvq)
+    b = block(kind, sink=2, kvq=kvq)
     q, k, v = qkv(1, 40, kvq=kvq, seed=3)
     with torch.no_grad():
         full, state = b.attend(q, k, v, return_states=True)
@@ -237,8 +244,9 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, sink, length, head_d
     if kind == "window":
         b = WindowAttention(KVQ, head_dim, window=W, sink=sink).eval()
     else:
-        b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=4).eval()
-        if kind == "hybrid_open":
+        decay = 5.0 if kind == "hybrid_decay" else None
+        b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=4, decay_horizon=decay).eval()
+        if kind in ("hybrid_open", "hybrid_decay"):
             with torch.no_grad():
                 b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
                 b.log_scale.copy_(torch.tensor([0.2, -0.3, 0.0, 0.4]))

@@ -28,11 +28,15 @@ def random_qkv(batch=2, length=30, seed=0, dtype=torch.float64):
     return q, k, v
 
 
-def open_block(sink=2, window=5, feature_dim=4, gate=0.7, log_scale=0.3):
-    block = HybridWindowAttention(KVQ, HD, window=window, sink=sink, feature_dim=feature_dim).double()
+def open_block(sink=2, window=5, feature_dim=4, gate=0.7, log_scale=0.3, horizons=None):
+    decay = None if horizons is None else 4.0
+    block = HybridWindowAttention(KVQ, HD, window=window, sink=sink, feature_dim=feature_dim, decay_horizon=decay)
+    block = block.double()
     with torch.no_grad():
         block.gate.copy_(torch.tensor([gate, 0.0, gate * 2]))  # head 1 closed: pure sink + recent
         block.log_scale.fill_(log_scale)
+        if horizons is not None:
+            block.log_horizon.copy_(torch.tensor(horizons, dtype=torch.float64).log())
     return block
 
 
@@ -41,6 +45,8 @@ def naive(block: HybridWindowAttention, q, k, v):
     B, Hq, L, hd = q.shape
     s, w = block.sink, block.window
     g = block.gate.clamp_min(0) * block.log_scale.exp()
+    # decay: a token that left the window a steps ago weighs exp(-a / H) (H per KV head)
+    horizon = None if block.log_horizon is None else block.log_horizon.exp()
     out = torch.zeros_like(q)
     for h, kv in enumerate(block.kv_for_query):
         W = block.feature_map[kv]
@@ -59,15 +65,18 @@ def naive(block: HybridWindowAttention, q, k, v):
                 den = torch.exp(scores - m).sum()
                 for t in old:
                     weight = g[h] * torch.exp(-m) * (phi(q[b, h, r]) @ phi(k[b, kv, t]))
+                    if horizon is not None:  # t left the window when the query of rank t + w came
+                        weight = weight * torch.exp(-(r - (t + w)) / horizon[kv])
                     num, den = num + weight * v[b, kv, t], den + weight
                 out[b, h, r] = num / den
     return out.transpose(1, 2).reshape(B, L, -1)
 
 
+@pytest.mark.parametrize("horizons", [None, [2.0, 7.0]])
 @pytest.mark.parametrize("sink,window", [(0, 1), (2, 5), (4, 3)])
-def test_open_gate_matches_the_naive_formula_in_float64(sink, window):
+def test_open_gate_matches_the_naive_formula_in_float64(sink, window, horizons):
     q, k, v = random_qkv()
-    block = open_block(sink=sink, window=window)
+    block = open_block(sink=sink, window=window, horizons=horizons)
     with torch.no_grad():
         torch.testing.assert_close(block(packed(q, k, v)), naive(block, q, k, v), rtol=1e-12, atol=1e-12)
 
@@ -82,10 +91,11 @@ def test_closed_gate_is_the_training_free_sink_recent_block():
         torch.testing.assert_close(hybrid(x), plain(x), rtol=1e-12, atol=1e-12)
 
 
-def test_prefill_chunks_and_steps_equal_one_forward_in_float64():
+@pytest.mark.parametrize("horizons", [None, [3.0, 20.0]])
+def test_prefill_chunks_and_steps_equal_one_forward_in_float64(horizons):
     q, k, v = random_qkv(length=31, seed=4)
     x = packed(q, k, v)
-    block = open_block()
+    block = open_block(horizons=horizons)
     with torch.no_grad():
         full = block(x)
         out, state = block(x[:, :3], return_states=True)  # shorter than sink + window
@@ -162,9 +172,10 @@ def test_window_dropout_only_in_training():
     assert any((t - evals[0]).abs().max() > 1e-4 for t in trains)  # a shorter window changes the output
 
 
-def test_calibrate_opens_the_gate_with_a_finite_scale():
+@pytest.mark.parametrize("decay", [None, 6.0])
+def test_calibrate_opens_the_gate_with_a_finite_scale(decay):
     q, k, v = random_qkv(batch=2, length=24, seed=8, dtype=torch.float32)
-    block = HybridWindowAttention(KVQ, HD, window=4, sink=1, feature_dim=4)
+    block = HybridWindowAttention(KVQ, HD, window=4, sink=1, feature_dim=4, decay_horizon=decay)
     report = block.calibrate(packed(q, k, v))
     assert torch.all(block.gate == 1)
     assert torch.isfinite(block.log_scale).all() and block.log_scale.abs().sum() > 0
@@ -263,6 +274,9 @@ def test_transfer_fits_the_state_and_never_ends_worse_than_it_started():
         (lambda: HybridOperator(feature_dim=0), "model.operator.feature_dim"),
         (lambda: HybridOperator(window_dropout=1.5), "model.operator.window_dropout"),
         (lambda: HybridOperator(window=0), "model.operator.window"),
+        (lambda: HybridOperator(decay_horizon=0.5), "model.operator.decay_horizon"),
+        (lambda: HybridOperator(decay_horizon=float("inf")), "model.operator.decay_horizon"),
+        (lambda: HybridOperator(decay_horizon="long"), "model.operator.decay_horizon"),
     ],
 )
 def test_bad_hybrid_settings_name_the_field(make, field):
@@ -276,3 +290,46 @@ def test_state_bytes_match_the_sink_recent_operator_it_is_compared_with():
     hybrid = HybridOperator(sink=4, window=56, feature_dim=16).make_block([0, 0, 0], 64, None)
     plain = SinkRecentOperator(sink=4, window=64).make_block([0, 0, 0], 64, None)
     assert hybrid.state_bytes(1) - plain.state_bytes(1) == 16 * 4
+
+
+def test_decay_calibrates_to_a_larger_scale_and_trains_its_horizon():
+    """With a decay the old tokens weigh less, so calibration scales them up to the same softmax
+    mass; the horizon is a parameter that training moves."""
+    q, k, v = random_qkv(batch=2, length=40, seed=12, dtype=torch.float32)
+    x = packed(q, k, v)
+    plain = HybridWindowAttention(KVQ, HD, window=4, sink=1, feature_dim=4)
+    decayed = HybridWindowAttention(KVQ, HD, window=4, sink=1, feature_dim=4, decay_horizon=3.0)
+    with torch.no_grad():
+        decayed.feature_map.copy_(plain.feature_map)
+    plain.calibrate(x)
+    decayed.calibrate(x)
+    assert torch.all(decayed.log_scale > plain.log_scale)
+    decayed.train()
+    decayed.window_dropout = 0.0
+    decayed(x).pow(2).sum().backward()
+    assert decayed.log_horizon.grad is not None and decayed.log_horizon.grad.abs().sum() > 0
+
+
+def test_decay_is_recorded_only_when_set_so_old_models_read_alike():
+    """A model saved before the decay existed has no decay_horizon in its operator record and no
+    log_horizon weight; it rebuilds without one. With a decay, the horizon round-trips."""
+    assert "decay_horizon" not in HybridOperator().init_args()
+    assert HybridWindowAttention(KVQ, HD, window=4).log_horizon is None
+    spec = HybridOperator(decay_horizon=256).to_dict()
+    again = ReplacementOperator.from_dict(spec)
+    assert again.decay_horizon == 256.0
+    block = again.make_block(KVQ, HD, None)
+    torch.testing.assert_close(block.log_horizon.detach().exp(), torch.full((2,), 256.0))
+
+
+def test_converted_model_with_decay_decodes_step_by_step_as_one_forward():
+    model = converted(operator=HybridOperator(sink=2, window=5, feature_dim=4, decay_horizon=6.0))
+    ids = random_ids(1, 24)
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :7], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(7, 24):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,8 @@
  *   z_state  : (batch, hkv, f)
  *   fmap     : (hkv, hd, f / 2)      feature map: phi(x) = [softmax(x W), softmax(-x W)]
  *   g        : (hq,)                 weight of the old tokens, relu(gate) * exp(log_scale)
+ *   decay    : (hkv,)                hybrid with a state decay: gamma per KV head, S and z are
+ *                                    multiplied by it once per token (NULL: no decay)
  *   kvq      : (hq,)                 KV head of every query head
  *   out      : (batch, hq, hd)
  *
@@ -57,7 +59,7 @@ static void feature(const float *restrict x, const float *restrict w, int64_t hd
 
 int rf_window_step_f32(const float *q, const float *k, const float *v, float *keys, float *values,
                        int64_t *seen, float *S_state, float *z_state, const float *fmap,
-                       const float *g, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
+                       const float *g, const float *decay, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f,
                        float scaling) {
     const int64_t ns = sink + window, half = f / 2;
@@ -69,6 +71,14 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
         const int64_t n = seen[b];
         const int64_t ring = sink + n % window;
         float *kb = keys + b * hkv * ns * hd, *vb = values + b * hkv * ns * hd;
+        if (S_state && decay) { /* the state ages by one token */
+            for (int64_t h = 0; h < hkv; ++h) {
+                float *S = S_state + (b * hkv + h) * f * hd, *z = z_state + (b * hkv + h) * f;
+                const float gm = decay[h];
+                for (int64_t j = 0; j < f * hd; ++j) S[j] *= gm;
+                for (int64_t j = 0; j < f; ++j) z[j] *= gm;
+            }
+        }
         if (S_state && n - window >= sink) { /* fold the evicted token (rank n - window) */
             for (int64_t h = 0; h < hkv; ++h) {
                 const float *ko = kb + (h * ns + ring) * hd, *vo = vb + (h * ns + ring) * hd;
@@ -146,7 +156,8 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
  *
  * Query i (rank r = seen + i) attends to the sink slots j <= r and to the recent indices
  * i+1 .. i+window of rank >= sink; before it, the token of rank r - window (index i) is folded
- * into the state when its rank is >= sink. Same formula as rf_window_step_f32.
+ * into the state when its rank is >= sink (after the state has aged by one token, with a
+ * decay). Same formula as rf_window_step_f32.
  */
 /* One query head's output: softmax over the sink slots (sk, sv, nsink) and the recent keys (rk,
  * rv, nw), plus, when S is given (hybrid, open gate), the state's share c phi(q) S with
@@ -195,7 +206,7 @@ RF_WINDOW_QUERY(window_query_any, hd_arg)
 
 int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v, const float *sink_k,
                           const float *sink_v, float *S_state, float *z_state, const float *fmap,
-                          const float *g, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
+                          const float *g, const float *decay, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
                           int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L, int64_t seen,
                           int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling, int64_t row_begin,
                           int64_t row_end) {
@@ -211,6 +222,11 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
         float *S = S_state ? S_state + row * f * hd : NULL, *z = z_state ? z_state + row * f : NULL;
         for (int64_t i = 0; i < L; ++i) {
             const int64_t r = seen + i;
+            if (S && decay) { /* the state ages by one token */
+                const float gm = decay[kv];
+                for (int64_t j = 0; j < f * hd; ++j) S[j] *= gm;
+                for (int64_t j = 0; j < f; ++j) z[j] *= gm;
+            }
             if (S && r - window >= sink) { /* fold the token of rank r - window (index i) */
                 feature(rk + i * hd, fm, hd, half, phi);
                 const float *vo = rv + i * hd;
