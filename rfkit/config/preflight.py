@@ -131,6 +131,34 @@ def check_model_fits_data(base_model: str, seq_len, tokenizer) -> None:
         )
 
 
+def check_long_source(transfer, base_model) -> None:
+    """``model.transfer.long_source`` as ``data.source`` is checked: its name
+    (:func:`rfkit.data.check_source`) and, for local files, some text
+    (:meth:`rfkit.data.TextDataModule.check_text`, the ``text`` field); and
+    ``model.transfer.long_seq_len`` within the model's context when its config is on disk."""
+    from rfkit.data import TextDataModule, check_source
+    from rfkit.hub import SourceError, context_length, read_model_config
+    from rfkit.training.transfer import TransferError, long_source_message
+
+    source = transfer.get("long_source") if transfer is not None else None
+    if source is None:
+        return
+    field = "model.transfer.long_source"
+    check_source(source, field, error=TransferError)
+    try:
+        TextDataModule.check_text(source, "text", field=field)
+    except SourceError as err:  # a bad row names data.source or data.text_field
+        raise TransferError(long_source_message(str(err))) from None
+    length = transfer.get("long_seq_len")
+    found = read_model_config(base_model) if isinstance(base_model, str) else None
+    limit = context_length(found[0]) if found else None
+    if limit and _is_int(length) and length > limit:
+        raise TransferError(
+            f"model.transfer.long_seq_len: {length} tokens is beyond the context of model.base_model "
+            f"(max_position_embeddings {limit} in {found[1]}); give model.transfer.long_seq_len <= {limit}"
+        )
+
+
 def preflight(subcommand: str | None, config) -> None:
     """Checks that need only the parsed settings: they run before any class is built, any
     model loads or anything is written, and each failure is one line naming the field.
@@ -142,6 +170,8 @@ def preflight(subcommand: str | None, config) -> None:
     * cross-checks of model and data, from ``config.json`` and ``tokenizer.json`` alone:
       ``data.seq_len`` within the model's context (``max_position_embeddings``), and the
       tokenizer's ids within the model's ``vocab_size``;
+    * attention transfer's long source (:func:`check_long_source`): ``model.transfer.long_source``
+      a known name with some text, ``long_seq_len`` within the model's context;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
     """
@@ -154,6 +184,8 @@ def preflight(subcommand: str | None, config) -> None:
         check_model_source(base_model, bool(model.get("trust_remote_code")))
     if trainer is not None:
         check_trainer_settings(trainer)
+    if model is not None and hasattr(model.get("transfer"), "get"):
+        check_long_source(model.get("transfer"), base_model)
     init = data.get("init_args") if data is not None and data.get("class_path") else data
     if init is not None and is_text_data(data.get("class_path") if data is not None else None):
         from rfkit.data import TextDataModule

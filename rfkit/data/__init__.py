@@ -52,7 +52,7 @@ from rfkit.data.documents import (
 )
 from rfkit.data.embedded import EMBEDDED_SOURCES, default_split, strip_gutenberg
 from rfkit.data.sampling import ResumableShuffle
-from rfkit.data.sources import LOCAL_SUFFIXES, load_documents, source_kind
+from rfkit.data.sources import LOCAL_SUFFIXES, check_source, load_documents, source_kind
 
 __all__ = [
     "DEFAULT_SPLIT",
@@ -63,6 +63,7 @@ __all__ = [
     "SPLITS",
     "TextDataModule",
     "assign_split",
+    "check_source",
     "data_cache_dir",
     "default_split",
     "key_fraction",

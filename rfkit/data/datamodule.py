@@ -16,14 +16,14 @@ from torch.utils.data import DataLoader
 
 from rfkit.atomic import atomic_write
 from rfkit.data.documents import SPLITS, _one_line, pack_blocks, split_documents
-from rfkit.data.embedded import _EMBEDDED, EMBEDDED_SOURCES, _embedded, default_split
+from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.sampling import ResumableShuffle, _Blocks
 from rfkit.data.sources import (
-    _HUB_ID,
     LOCAL_SUFFIXES,
     _local_files,
     _read_local,
     _source_signature,
+    check_source,
     load_documents,
     source_kind,
 )
@@ -188,49 +188,23 @@ class TextDataModule(L.LightningDataModule):
         self._check_source()
 
     def _check_source(self) -> None:
-        source = self.source
-        allowed = (
-            f"{', '.join(EMBEDDED_SOURCES)}, a .txt/.jsonl/.json file, a directory of them, "
-            "or a hub dataset id org/name[:config]"
-        )
-        if not source.strip():
-            raise SourceError(f"data.source: empty; allowed: {allowed}")
-        kind = source_kind(source)
-        if kind == "embedded":
-            _embedded(source)  # a known name
-            return
-        if kind == "hub":
-            if not _HUB_ID.match(source):
-                raise SourceError(
-                    f"data.source: '{source}' is not an existing path or a hub dataset id; allowed: {allowed}"
-                )
-            return
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise SourceError(f"data.source: path '{source}' does not exist")
-        if path.is_dir():
-            if not _local_files(path):
-                raise SourceError(f"data.source: directory '{source}' has no .txt, .jsonl or .json files")
-        elif path.suffix.lower() not in LOCAL_SUFFIXES:
-            raise SourceError(
-                f"data.source: unsupported file type '{path.suffix or path.name}'; "
-                "allowed: .txt, .jsonl, .json or a directory of them"
-            )
+        check_source(self.source)
 
     #: ``.json`` files up to this size are parsed by :meth:`check_text` (they cannot be read lazily)
     CHECK_TEXT_JSON_BYTES = 64 * 2**20
 
     @staticmethod
-    def check_text(source: str, text_field: str = "text") -> None:
+    def check_text(source: str, text_field: str = "text", field: str = "data.source") -> None:
         """The preflight on a local source's contents, before any model loads (the CLI runs it
-        on the recipe's ``data`` section): not every file empty (0 bytes), and at least one
+        on the recipe's ``data`` section and on ``model.transfer.long_source``, whose messages
+        name ``field``): not every file empty (0 bytes), and at least one
         usable document. It reads only up to the first document (``.json`` files of at most
         :attr:`CHECK_TEXT_JSON_BYTES`), so a bad row after it is still found by
         :meth:`setup`. The embedded data and hub datasets are not read here; neither is
         anything that :meth:`check` already refuses.
 
         Raises:
-            SourceError: one line naming ``data.source`` (or ``data.text_field``).
+            SourceError: one line naming ``field`` (or ``data.text_field``).
         """
         if not isinstance(source, str) or source_kind(source) != "local" or not isinstance(text_field, str):
             return
@@ -241,7 +215,7 @@ class TextDataModule(L.LightningDataModule):
         sized = [(p, p.stat().st_size) for p in files]
         if sized and all(size == 0 for _, size in sized):
             what = f"file '{source}' is" if root.is_file() else f"every file in directory '{source}' is"
-            raise SourceError(f"data.source: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
+            raise SourceError(f"{field}: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
         for path, size in sized:
             if size == 0 or (path.suffix.lower() == ".json" and size > TextDataModule.CHECK_TEXT_JSON_BYTES):
                 if size:
@@ -249,10 +223,11 @@ class TextDataModule(L.LightningDataModule):
                 continue
             if next(iter(_read_local(path, text_field)), None) is not None:
                 return
-        field = f" (the '{text_field}' field, data.text_field, is empty or null in every row)" if any(
+        setting = ", data.text_field," if field == "data.source" else ""
+        why = f" (the '{text_field}' field{setting} is empty or null in every row)" if any(
             p.suffix.lower() in (".jsonl", ".json") for p in files
         ) else " (every line is blank)"
-        raise SourceError(f"data.source: '{source}' contains no documents{field}; give text to tokenise")
+        raise SourceError(f"{field}: '{source}' contains no documents{why}; give text to tokenise")
 
     # ---------------------------------------------------------------- identity
 
@@ -368,6 +343,14 @@ class TextDataModule(L.LightningDataModule):
                 log.info("loaded packed blocks from %s", path)
             self._all_blocks = data
         return self._all_blocks
+
+    def split_blocks(self, name: str) -> torch.Tensor:
+        """Every packed block of one split (``calibration``, ``validation`` or ``train``), as
+        int64, before the block caps and without :meth:`setup`'s demand that every split has
+        one (attention transfer's long blocks read the ``train`` split of a long source)."""
+        if name not in SPLITS:
+            raise ValueError(f"split_blocks: unknown split {name!r}; allowed: {', '.join(SPLITS)}")
+        return self._blocks()[name].long()
 
     # ---------------------------------------------------------------- Lightning hooks
 

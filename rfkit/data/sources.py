@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rfkit.data.documents import Document, _make_doc, _one_line
-from rfkit.data.embedded import _embedded, _read_embedded
+from rfkit.data.embedded import EMBEDDED_SOURCES, _embedded, _read_embedded
 from rfkit.hub import EMBEDDED_DATA, SourceError, is_embedded, looks_like_path
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -30,6 +30,43 @@ def source_kind(source: str) -> str:
     if looks_like_path(source) or lowered.endswith(_FILE_LIKE_SUFFIXES) or "\\" in source:
         return "local"
     return "hub"
+
+
+def check_source(source, field: str = "data.source", error=SourceError) -> None:
+    """A source's name, without reading any text: a known embedded name, an existing
+    ``.txt``/``.jsonl``/``.json`` file or a directory holding some, or a hub dataset id.
+
+    Raises:
+        error: one line naming ``field`` and what is allowed.
+    """
+    allowed = (
+        f"{', '.join(EMBEDDED_SOURCES)}, a .txt/.jsonl/.json file, a directory of them, "
+        "or a hub dataset id org/name[:config]"
+    )
+    if not isinstance(source, str):
+        raise error(f"{field}: {source!r} is not allowed; allowed: {allowed}")
+    if not source.strip():
+        raise error(f"{field}: empty; allowed: {allowed}")
+    kind = source_kind(source)
+    if kind == "embedded":
+        if source not in EMBEDDED_SOURCES:
+            raise error(f"{field}: unknown embedded data '{source}'; allowed: {', '.join(EMBEDDED_SOURCES)}")
+        return
+    if kind == "hub":
+        if not _HUB_ID.match(source):
+            raise error(f"{field}: '{source}' is not an existing path or a hub dataset id; allowed: {allowed}")
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise error(f"{field}: path '{source}' does not exist")
+    if path.is_dir():
+        if not _local_files(path):
+            raise error(f"{field}: directory '{source}' has no .txt, .jsonl or .json files")
+    elif path.suffix.lower() not in LOCAL_SUFFIXES:
+        raise error(
+            f"{field}: unsupported file type '{path.suffix or path.name}'; "
+            "allowed: .txt, .jsonl, .json or a directory of them"
+        )
 
 
 def _local_files(root: Path) -> list[Path]:

@@ -303,9 +303,10 @@ def run(args) -> dict:
         else:
             converted = convert(copy.deepcopy(base), head_map, operator)
             if args.transfer and module.transfer_config is not None and getattr(operator, "trainable", True):
-                from rfkit.training.transfer import transfer
+                from rfkit.training.transfer import load_long_blocks, transfer
 
-                report = transfer(converted, datamodule.calibration, module.transfer_config)
+                long_blocks = load_long_blocks(module.transfer_config, datamodule.tokenizer_name, datamodule.seed)
+                report = transfer(converted, datamodule.calibration, module.transfer_config, long_blocks=long_blocks)
                 row.update(transferred=True, transfer_mse=report["mean_mse_after"], transfer_seconds=report["seconds"])
             row.update(measure(converted, val_batches, args.cache_length, device, desc, long))
             row["trained"] = False

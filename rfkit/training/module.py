@@ -328,12 +328,14 @@ class RecurFormerModule(L.LightningModule):
         if self.transfer_config is not None and not trainable:
             log.info("model.transfer: skipped, %s has no weights to learn", type(self.operator).__name__)
         if self.transfer_config is not None and trainable and self.model.rf_originals and not restoring:
-            from rfkit.training.transfer import transfer
+            from rfkit.training.transfer import load_long_blocks, transfer
 
             if datamodule is None or getattr(datamodule, "calibration", None) is None:
                 raise PolicyError("model.transfer: attention transfer needs calibration data (a data section)")
             with self.phases("transfer", f"{self.transfer_config.steps} steps"):
-                report = transfer(self.model, datamodule.calibration, self.transfer_config)
+                tokenizer = getattr(datamodule, "tokenizer_name", None) or self.base_model  # the model's
+                long = load_long_blocks(self.transfer_config, tokenizer, seed=getattr(datamodule, "seed", 0))
+                report = transfer(self.model, datamodule.calibration, self.transfer_config, long_blocks=long)
             self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
         if self.lora is not None:
             from rfkit.models.lora import apply_lora

@@ -16,6 +16,17 @@ ridge-regularised), so training starts from the best linear read-out of the init
 
 Per-layer MSE is reported before and after, relative to the target's mean square (1.0 is what
 a block that outputs zeros scores).
+
+Long context (``long_source``): the calibration blocks are short (``data.seq_len``, 512 tokens
+in the recipes), and a recurrent state fitted on them never sees what lies beyond. With
+``long_source`` set, :func:`load_long_blocks` also takes ``long_samples`` blocks of
+``long_seq_len`` tokens from the **train** split of that source (never its calibration or
+validation split: ``rfkit eval context`` scores the validation one), packed with the model's
+tokenizer by :class:`rfkit.data.TextDataModule` (the same split, packing and block cache as
+``data.source``); they are captured the same way, every step trains each block on one short
+batch and one long batch (loss: the mean of the two relative MSEs), and the report gives the
+long data's MSE as well (``mse_before_long``, ``mse_after_long``, ...). Calibration and the
+least-squares read-out use the short blocks only. Without ``long_source`` nothing changes.
 """
 
 from __future__ import annotations
@@ -59,6 +70,13 @@ class TransferConfig:
         time_limit: Seconds for the whole transfer stage (capture, read-out, training): training
             stops when they are spent even if ``steps`` are not done (``None``: no limit); the
             report says how many steps ran.
+        long_source: A source of long documents (a ``data.source`` name, for example
+            ``embedded:shakespeare``) whose train split gives long blocks to train on as well
+            (``None``: short blocks only). Local files are read with text field ``text``.
+        long_seq_len: Tokens per long block.
+        long_samples: Long blocks captured (drawn from the train split, seeded by ``data.seed``).
+        long_batch_size: Long blocks per step; they are always trained whole (``seq_len`` cuts
+            only the short blocks), so the state sees all ``long_seq_len`` tokens.
     """
 
     steps: int = 200
@@ -70,22 +88,83 @@ class TransferConfig:
     ridge: float = 1e-3
     space: str = "heads"
     time_limit: float | None = None
+    long_source: str | None = None
+    long_seq_len: int = 2048
+    long_samples: int = 8
+    long_batch_size: int = 1
 
     def __post_init__(self):
         ints = dict(error=TransferError, message=INTEGER_NOT_ALLOWED)
-        for name in ("steps", "samples", "batch_size"):
+        for name in ("steps", "samples", "batch_size", "long_samples", "long_batch_size"):
             positive_int(f"model.transfer.{name}", getattr(self, name), 0 if name == "steps" else 1, **ints)
         positive_int("model.transfer.seq_len", self.seq_len, 2, optional=True, **ints)
+        positive_int("model.transfer.long_seq_len", self.long_seq_len, 2, **ints)
         in_range("model.transfer.lr", self.lr, 0, low_open=True, finite=True, error=TransferError)
         one_of("model.transfer.space", self.space, ("heads", "output"), error=TransferError)
         one_of("model.transfer.readout", self.readout, ("lstsq", "none"), error=TransferError)
         in_range("model.transfer.time_limit", self.time_limit, 0, low_open=True, optional=True, error=TransferError)
         in_range("model.transfer.ridge", self.ridge, 0, error=TransferError)
+        if self.long_source is not None:  # the name only, as data.source's; no text is read here
+            from rfkit.data import check_source
+
+            check_source(self.long_source, "model.transfer.long_source", error=TransferError)
+
+
+def long_source_message(message: str) -> str:
+    """A data error about the long source, naming ``model.transfer.long_source`` (the data code
+    names ``data.source`` or ``data.text_field``)."""
+    for prefix in ("data.source: ", "data.text_field: "):
+        if message.startswith(prefix):
+            return "model.transfer.long_source: " + message.removeprefix(prefix)
+    return message
+
+
+def load_long_blocks(config: TransferConfig, tokenizer: str | None, seed: int = 0) -> torch.Tensor | None:
+    """``(long_samples, long_seq_len)`` int64 token ids from the **train** split of
+    ``config.long_source`` (``None`` when it is not set).
+
+    The source is split, tokenised with ``tokenizer`` (a model id, directory or embedded name:
+    the datamodule's, that is the model's) and packed by :class:`rfkit.data.TextDataModule`
+    with its default split for that source, so its calibration and validation documents (what
+    ``rfkit eval context`` scores) never appear, and the packed blocks are cached as
+    ``data.source``'s are. ``long_samples`` of the split's blocks are drawn without
+    replacement by a generator seeded with ``seed`` (all of them, with a warning, when there
+    are fewer) and returned in source order: the same seed gives the same blocks.
+
+    Raises:
+        TransferError: one line naming ``model.transfer.long_source`` (unreadable source) or
+            ``model.transfer.long_seq_len`` (no train block that long).
+    """
+    if config.long_source is None:
+        return None
+    from rfkit.data import TextDataModule
+    from rfkit.hub import SourceError
+
+    try:
+        data = TextDataModule(source=config.long_source, tokenizer=tokenizer, seq_len=config.long_seq_len)
+        blocks = data.split_blocks("train")
+    except SourceError as err:
+        raise TransferError(long_source_message(str(err))) from None
+    if len(blocks) == 0:
+        raise TransferError(
+            f"model.transfer.long_seq_len: the train split of '{config.long_source}' has no complete block of "
+            f"{config.long_seq_len} tokens; use a smaller long_seq_len or a source with more text"
+        )
+    if len(blocks) < config.long_samples:
+        log.warning(
+            "model.transfer: the train split of '%s' has only %d blocks of %d tokens (%d requested); using all of them",
+            config.long_source, len(blocks), config.long_seq_len, config.long_samples,
+        )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(len(blocks), generator=generator)[: config.long_samples].sort().values
+    return blocks[rows]
 
 
 # -- capture -----------------------------------------------------------------------------------
 @torch.no_grad()
-def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def capture(
+    model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = True, desc: str = "transfer: capture"
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Inputs and targets of every converted layer's block, from the original model.
 
     ``model`` is a converted model with ``rf_originals``; the original runs through
@@ -94,6 +173,10 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
     ``RecurFormerAttention.mixer_input``: the mixer KV heads' values, for ``qkv`` operators with
     the rotated queries and keys before them) and target ``(N, L, d_out)`` (the replaced heads'
     attention outputs before ``W_O``, in the block's output order), on the CPU in float32.
+
+    Memory: all of it stays in host memory, ``4 * (d_in + d_out)`` bytes per token per converted
+    layer, so it grows with ``N * L``: at 512 floats per token, 32 blocks of 512 tokens hold
+    32 MiB per layer, and so do 8 long blocks of 2,048 tokens (``long_samples * long_seq_len``).
     """
     from tqdm.auto import tqdm
 
@@ -122,7 +205,7 @@ def capture(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool = T
         hooks.append(original.o_proj.register_forward_pre_hook(on_attention))
     device = next(model.parameters()).device
     try:
-        for start in tqdm(range(0, len(blocks), batch_size), desc="transfer: capture", unit="batch", disable=not progress):
+        for start in tqdm(range(0, len(blocks), batch_size), desc=desc, unit="batch", disable=not progress):
             ids = blocks[start : start + batch_size].to(device)
             teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
@@ -189,10 +272,14 @@ def train_blocks(
     seed: int = 0,
     deadline: float | None = None,
     projections: dict[int, torch.Tensor] | None = None,
+    long_data=None,
 ) -> list[float]:
     """Train every block on its layer's captured pairs; returns the mean relative loss per step.
     ``deadline`` (a ``time.time()`` value) stops training early. ``projections`` (per layer,
-    ``(d_out, hidden)``) measures the error after that map (``space: output``)."""
+    ``(d_out, hidden)``) measures the error after that map (``space: output``). With
+    ``long_data`` (captured like ``data``, from long blocks) each step also takes
+    ``long_batch_size`` whole long blocks, and each block's loss is the mean of its relative
+    MSE on the short batch and on the long one (each relative to its own target's power)."""
     from tqdm.auto import tqdm
 
     params = [p for m in mixers.values() for p in m.parameters()]
@@ -211,22 +298,33 @@ def train_blocks(
     def mapped(i, x):
         return x if proj[i] is None else x @ proj[i].to(x.device)
 
-    power = {i: mapped(i, data[i][1][: min(n, 8)]).pow(2).mean().clamp_min(1e-12) for i in mixers}
+    def power_of(pairs):
+        return {i: mapped(i, pairs[i][1][:8]).pow(2).mean().clamp_min(1e-12) for i in mixers}
+
+    power = power_of(data)
+    long_power = power_of(long_data) if long_data is not None else None
+    n_long = len(next(iter(long_data.values()))[0]) if long_data is not None else 0
+    long_generator = torch.Generator().manual_seed(seed + 1)  # its own: the short batches stay as without long data
     losses = []
     bar = tqdm(range(config.steps), desc="transfer: train", unit="step", disable=not progress)
     try:
         for _ in bar:
             rows = torch.randint(0, n, (min(config.batch_size, n),), generator=generator)
             start = int(torch.randint(0, length - window + 1, (1,), generator=generator))
+            batches = [(data, power, rows, slice(start, start + window))]
+            if long_data is not None:
+                long_rows = torch.randint(0, n_long, (min(config.long_batch_size, n_long),), generator=long_generator)
+                batches.append((long_data, long_power, long_rows, slice(None)))
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for i, mixer in mixers.items():
                 device = next(mixer.parameters()).device
-                values = data[i][0][rows, start : start + window].to(device)
-                target = data[i][1][rows, start : start + window].to(device)
-                loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / power[i].to(device)
-                loss.backward()
-                total += float(loss.detach())
+                for pairs, norm, picked, span in batches:  # one backward each: one graph held at a time
+                    values = pairs[i][0][picked, span].to(device)
+                    target = pairs[i][1][picked, span].to(device)
+                    loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / norm[i].to(device)
+                    (loss / len(batches)).backward()
+                    total += float(loss.detach()) / len(batches)
             optimizer.step()
             scheduler.step()
             losses.append(total / len(mixers))
@@ -240,18 +338,33 @@ def train_blocks(
     return losses
 
 
-def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool = True) -> dict:
+def transfer(
+    model, blocks: torch.Tensor, config: TransferConfig, progress: bool = True, long_blocks: torch.Tensor | None = None
+) -> dict:
     """Capture, solve read-outs, train; returns a report (per-layer relative MSE before/after,
-    seconds, tokens). ``model`` is a converted model with ``rf_originals``."""
+    seconds, tokens). ``model`` is a converted model with ``rf_originals``. ``long_blocks``
+    (token ids ``(N, L)``, :func:`load_long_blocks`; its first ``long_samples``) are trained on
+    as well and add the ``*_long`` entries to the report; they must be given when
+    ``config.long_source`` is set."""
+    if config.long_source is not None and long_blocks is None:
+        raise ValueError("transfer: config.long_source is set; pass long_blocks=load_long_blocks(config, tokenizer)")
     started = time.time()
     blocks = blocks[: config.samples]
     layers = model.get_decoder().layers
     data = capture(model, blocks, batch_size=config.batch_size, progress=progress)
+    long_data = None
+    if long_blocks is not None:
+        long_blocks = long_blocks[: config.long_samples]
+        long_data = capture(model, long_blocks, config.long_batch_size, progress, desc="transfer: capture long")
     mixers = {i: layers[i].self_attn.mixer for i in data}
     was_training = {i: m.training for i, m in mixers.items()}
     for m in mixers.values():
         m.train()
-    before = evaluate(mixers, data, config.batch_size)
+
+    def measure_long() -> dict[int, float]:  # {} without long data: adds 0 to the comparisons below
+        return evaluate(mixers, long_data, config.long_batch_size) if long_data is not None else {}
+
+    before, before_long = evaluate(mixers, data, config.batch_size), measure_long()
     start_weights = {i: {k: v.detach().clone() for k, v in m.state_dict().items()} for i, m in mixers.items()}
     calibration = {}
     from rfkit.models.mixer import calibrate_mixer
@@ -265,23 +378,39 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
             calibration[str(i)] = calibrated
         elif config.readout == "lstsq" and hasattr(mixer, "out_proj"):
             solve_readout(mixer, *data[i], ridge=config.ridge, batch_size=config.batch_size)
-    after_readout = evaluate(mixers, data, config.batch_size)
+    after_readout, after_readout_long = evaluate(mixers, data, config.batch_size), measure_long()
     deadline = None if config.time_limit is None else started + config.time_limit
     projections = None
     if config.space == "output":  # W_O's columns of the replaced heads: the last d_out ones
         projections = {
             i: layers[i].self_attn.o_proj.weight[:, -data[i][1].shape[-1] :].detach().float().T.cpu() for i in mixers
         }
-    losses = train_blocks(mixers, data, config, progress=progress, deadline=deadline, projections=projections)
-    after = evaluate(mixers, data, config.batch_size)
+    losses = train_blocks(
+        mixers, data, config, progress=progress, deadline=deadline, projections=projections, long_data=long_data
+    )
+    after, after_long = evaluate(mixers, data, config.batch_size), measure_long()
     kept_start = []
-    for i, mixer in mixers.items():  # never leave a block worse than it started
-        if after[i] > before[i]:
+    for i, mixer in mixers.items():  # never leave a block worse than it started (short + long error)
+        if after[i] + after_long.get(i, 0.0) > before[i] + before_long.get(i, 0.0):
             mixer.load_state_dict(start_weights[i])
             after[i] = before[i]
+            if long_data is not None:
+                after_long[i] = before_long[i]
             kept_start.append(i)
     for i, m in mixers.items():
         m.train(was_training[i])
+    def per_layer(mse: dict[int, float]) -> dict[str, float]:
+        return {str(i): mse[i] for i in sorted(mixers)}
+
+    long_report = {} if long_data is None else {
+        "mse_before_long": per_layer(before_long),
+        "mse_after_readout_long": per_layer(after_readout_long),
+        "mse_after_long": per_layer(after_long),
+        "mean_mse_before_long": sum(before_long.values()) / len(before_long),
+        "mean_mse_after_long": sum(after_long.values()) / len(after_long),
+        "long_samples": int(len(long_blocks)),
+        "tokens_captured_long": int(long_blocks.numel()),
+    }  # fmt: skip
     report = {
         "config": asdict(config),
         "layers": sorted(mixers),
@@ -296,10 +425,16 @@ def transfer(model, blocks: torch.Tensor, config: TransferConfig, progress: bool
         "steps_run": len(losses),
         "samples": int(len(blocks)),
         "tokens_captured": int(blocks.numel()),
+        **long_report,
         "seconds": round(time.time() - started, 1),
     }
     log.info(
         "attention transfer: mean relative MSE %.4f -> %.4f over %d layers (%.0f s)",
         report["mean_mse_before"], report["mean_mse_after"], len(mixers), report["seconds"],
     )  # fmt: skip
+    if long_data is not None:
+        log.info(
+            "attention transfer, long blocks (%d of %d tokens): mean relative MSE %.4f -> %.4f",
+            len(long_blocks), long_blocks.shape[1], report["mean_mse_before_long"], report["mean_mse_after_long"],
+        )  # fmt: skip
     return report

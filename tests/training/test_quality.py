@@ -103,11 +103,19 @@ def test_transfer_leaves_the_pretrained_weights_alone():
         ("seq_len", 1, "model.transfer.seq_len: 1 is not allowed"),
         ("space", "logits", "model.transfer.space: 'logits' is not allowed; allowed: heads, output"),
         ("time_limit", 0, "model.transfer.time_limit: 0 is not allowed"),
+        ("long_seq_len", 1, "model.transfer.long_seq_len: 1 is not allowed; must be an integer >= 2"),
+        ("long_samples", 0, "model.transfer.long_samples: 0 is not allowed; must be an integer >= 1"),
+        ("long_batch_size", 0, "model.transfer.long_batch_size: 0 is not allowed; must be an integer >= 1"),
+        ("long_source", "embedded:nope", "model.transfer.long_source: unknown embedded data 'embedded:nope'; "
+         "allowed: embedded:wikipedia-en, embedded:shakespeare"),
+        ("long_source", "/no/such/plays.txt", "model.transfer.long_source: path '/no/such/plays.txt' does not exist"),
+        ("long_source", "", "model.transfer.long_source: empty; allowed: embedded:wikipedia-en"),
     ],
 )
 def test_transfer_settings_are_checked(field, value, message):
-    with pytest.raises(TransferError, match=message):
+    with pytest.raises(TransferError, match=message) as err:
         TransferConfig(**{field: value})
+    assert "\n" not in str(err.value)
 
 
 # -- init from attention --------------------------------------------------------------------
@@ -310,6 +318,8 @@ def test_fit_rejects_a_shared_teacher_with_trained_shared_weights(tiny_model_dir
     [
         (["--model.transfer.steps", "-1"], "model.transfer.steps"),
         (["--model.transfer.space", "logits"], "model.transfer.space"),
+        (["--model.transfer.long_source", "embedded:nope"], "model.transfer.long_source"),
+        (["--model.transfer.long_seq_len", "1"], "model.transfer.long_seq_len"),
         (["--model.distill.temperature", "0"], "model.distill.temperature"),
         (["--model.lora.r", "0"], "model.lora.r"),
         (["--model.init", "identity"], "model.init"),
