@@ -17,6 +17,7 @@ from rfkit.conversion.policies import (  # noqa: E402
 from rfkit.errors import RFKitError  # noqa: E402
 from rfkit.models import modeling as _modeling  # noqa: E402,F401  (registers the Auto classes)
 from rfkit.models.operators import (  # noqa: E402
+    HybridMambaOperator,
     HybridOperator,
     MambaOperator,
     ReplacementOperator,
@@ -29,6 +30,7 @@ __all__ = [
     "ExplicitHeads",
     "FromHeadMap",
     "HeadSelectionPolicy",
+    "HybridMambaOperator",
     "HybridOperator",
     "LayerwisePolicy",
     "MambaOperator",

@@ -8,6 +8,7 @@ The code lives in :mod:`rfkit.models.operators` (and the mixers' optional hooks,
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.mixer import ReplacementMixer
 from rfkit.models.operators import (
+    HybridMambaOperator,
     HybridOperator,
     MambaOperator,
     OperatorError,
@@ -18,6 +19,7 @@ from rfkit.models.operators import (
 
 __all__ = [
     "AttentionLayout",
+    "HybridMambaOperator",
     "HybridOperator",
     "MambaOperator",
     "OperatorError",

@@ -26,6 +26,7 @@ OPERATOR_ALIASES = {
     "sliding_window": "rfkit.operators.SlidingWindowOperator",
     "sink_recent": "rfkit.operators.SinkRecentOperator",
     "hybrid": "rfkit.operators.HybridOperator",
+    "hybrid_mamba": "rfkit.operators.HybridMambaOperator",
 }
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(?:\((.*)\))?\s*$", re.S)

@@ -317,3 +317,49 @@ class HybridOperator(SinkRecentOperator):
             kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
             feature_dim=self.feature_dim, window_dropout=self.window_dropout, decay_horizon=self.decay_horizon,
         )  # fmt: skip
+
+
+class HybridMambaOperator(SinkRecentOperator):
+    """Replaced heads keep exact softmax attention over ``sink`` first and ``window`` recent tokens
+    and add the paper's Mamba block as the state of the tokens that left the window: a selective
+    state space per replaced KV head, fed the evicted tokens' values, with ``B`` and ``C`` read
+    from their rotated keys and the query through a learned projection and a data-dependent step
+    size (:class:`rfkit.models.hybrid_mamba.HybridMambaAttention`). Its gate starts closed, so the
+    freshly converted model *is* the training-free ``SinkRecentOperator(sink, window)`` model;
+    calibration (attention transfer) sets the projection from the keys and fits the gates, then
+    transfer and distillation train the state.
+
+    Cache: the sink + window K/V plus ``state_dim * head_dim`` numbers per replaced KV head. With
+    head_dim 64, ``state_dim=16`` is 1,024 numbers, the K/V of 8 tokens: ``sink=4, window=56,
+    state_dim=16`` holds exactly the bytes of ``sink_recent(sink=4, window=64)`` (and of
+    ``hybrid(sink=4, window=56, feature_dim=16)`` less 64 bytes).
+
+    Args:
+        sink: Leading tokens attended exactly.
+        window: Recent tokens attended exactly, the current one included.
+        state_dim: State size ``N`` per KV head, at most the head dim.
+        window_dropout: Probability that a training forward shortens the window (to between
+            ``window // 4`` and ``window``), so the state must learn to carry what the window
+            drops. 0 turns it off.
+    """
+
+    trainable = True
+
+    def __init__(self, sink: int = 4, window: int = 56, state_dim: int = 16, window_dropout: float = 0.5):
+        super().__init__(sink=sink, window=window)
+        self.state_dim = _positive_int("state_dim", state_dim)
+        self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
+
+    def init_args(self) -> dict:
+        return {**super().init_args(), "state_dim": self.state_dim, "window_dropout": self.window_dropout}
+
+    def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
+        from rfkit.models.hybrid_mamba import HybridMambaAttention
+
+        if self.state_dim > head_dim:
+            message = f"{self.state_dim} is not allowed; must be <= the head dim ({head_dim})"
+            raise OperatorError(f"model.operator.state_dim: {message}")
+        return HybridMambaAttention(
+            kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
+            state_dim=self.state_dim, window_dropout=self.window_dropout,
+        )  # fmt: skip
