@@ -50,6 +50,23 @@ SMOLLM = str(ROOT / "recipes" / "smollm2_b05.yaml")
 MAMBA = str(ROOT / "recipes" / "smollm2_mamba_b05.yaml")  # the paper's Mamba-only operator
 
 
+def parse_recipe(name: str, monkeypatch):
+    """Recipe ``name`` (a file in recipes/, without ``.yaml``) as ``rfkit fit --config NAME``
+    parses it (class paths imported and typed), without instantiating anything: a GPU recipe's
+    FSDPStrategy refuses this machine's CPU accelerator. Returns the parsed config namespace."""
+    import rfkit.config.lightning_cli
+
+    class ParseOnly(rfkit.config.lightning_cli.RFKitCLI):
+        def instantiate_classes(self):
+            pass
+
+        def after_instantiate_classes(self):
+            pass
+
+    monkeypatch.setattr(rfkit.config.lightning_cli, "RFKitCLI", ParseOnly)  # make_cli builds the CLI class it finds here
+    return rfkit.config.lightning_cli.make_cli(["--config", str(ROOT / "recipes" / f"{name}.yaml")], run=False).config
+
+
 def run_cli(args, capsys):
     """Run ``rfkit`` in process; returns (exit code, stdout, stderr)."""
     try:

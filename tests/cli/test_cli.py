@@ -125,7 +125,7 @@ def test_missing_config_file(capsys):
     code, out, err = run_cli(["fit", "--config", "no_such_recipe.yaml"], capsys)
     assert code == 2 and err.strip() == (
         "rfkit: error: --config: 'no_such_recipe.yaml' is neither a file nor a catalogue recipe; "
-        "recipes: llama2_b09, qwen2_05b_b05, qwen2_7b_b09, smollm2_b05, smollm2_hashhop_b05, ... (rfkit recipes list)"
+        "recipes: llama2_b09, llama2_b09_hybrid, qwen2_05b_b05, qwen2_05b_b05_hybrid, qwen2_7b_b09, ... (rfkit recipes list)"
     )
 
 

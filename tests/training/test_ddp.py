@@ -288,38 +288,25 @@ def test_fit_under_fsdp_saves_the_gathered_model(single_run, tiny_model_dir, tin
     assert ppl == pytest.approx(run["summary"]["ppl_converted"], rel=1e-5)  # measured through the sharded model
 
 
-def _parse_recipe(name: str, monkeypatch):
-    """Recipe ``name`` as ``rfkit fit --config NAME`` parses it (class paths imported and typed),
-    without instantiating anything: FSDPStrategy refuses this machine's CPU accelerator."""
-    import rfkit.config.lightning_cli
-
-    class ParseOnly(rfkit.config.lightning_cli.RFKitCLI):
-        def instantiate_classes(self):
-            pass
-
-        def after_instantiate_classes(self):
-            pass
-
-    monkeypatch.setattr(rfkit.config.lightning_cli, "RFKitCLI", ParseOnly)  # make_cli builds the CLI class it finds here
-    return rfkit.config.lightning_cli.make_cli(["--config", str(ROOT / "recipes" / f"{name}.yaml")], run=False).config
-
-
 @pytest.mark.parametrize(
     "recipe, layer",
     [
         ("llama2_b09", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
         ("qwen2_7b_b09", "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer"),
+        ("llama2_b09_hybrid", "transformers.models.llama.modeling_llama.LlamaDecoderLayer"),
+        ("qwen2_7b_b09_hybrid", "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer"),
     ],
 )
 def test_7b_recipes_parse_to_a_real_fsdp_strategy(recipe, layer, monkeypatch):
     from importlib import import_module
 
+    from helpers import parse_recipe
     from jsonargparse import Namespace
     from lightning.pytorch.strategies import FSDPStrategy
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    config = _parse_recipe(recipe, monkeypatch)
+    config = parse_recipe(recipe, monkeypatch)
     layer_class = getattr(import_module(layer.rsplit(".", 1)[0]), layer.rsplit(".", 1)[1])
     spec = config.trainer.strategy
     assert isinstance(spec, Namespace) and spec.class_path == "lightning.pytorch.strategies.FSDPStrategy"
