@@ -26,6 +26,11 @@ attention transfer calls) sets ``log_scale`` in closed form from the teacher's a
 training opens the gate; :meth:`HybridWindowAttention.state_ablation` closes the gate for the
 "state off" evaluations.
 
+State decay (``decay_horizon``, off by default): a learned horizon ``H`` per KV head,
+``gamma = exp(-1/H)``; a token that left the window ``a`` tokens ago weighs ``gamma^a`` in ``S`` and
+``z`` (``S <- gamma S + phi(k) v^T`` per token), so the state holds about the last ``H`` evicted
+tokens at any length and reads at 8k as it did on the blocks it was trained on.
+
 Window dropout: in training mode, with probability ``window_dropout`` a forward uses a random
 shorter window (between ``window // 4`` and ``window``), so the tokens between the two must be
 carried by the state. Without it a trained state can stay unused (the window alone already
