@@ -96,6 +96,10 @@ def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
         "--trainer.val_check_interval", "2",
         "--trainer.enable_progress_bar", "false",
         "--model.transfer.steps", "5",
+        # the default recipe's long blocks, from the tiny corpus at the tiny model's scale
+        "--model.transfer.long_source", str(corpus),
+        "--model.transfer.long_seq_len", "64",
+        "--model.transfer.long_samples", "2",
     ]  # fmt: skip
 
 

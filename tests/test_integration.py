@@ -32,6 +32,8 @@ def smollm2_run(tmp_path_factory):
         "--trainer.max_steps", "2",
         "--model.transfer.steps", "3",
         "--model.transfer.samples", "4",
+        "--model.transfer.long_seq_len", "512",  # the recipe's Shakespeare long blocks, fewer and shorter
+        "--model.transfer.long_samples", "2",
         "--trainer.val_check_interval", "2",
         "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false",
@@ -53,12 +55,16 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     assert summary["cache_bytes_per_token_original"] == 30 * 3 * 2 * 64 * 4
     assert summary["cache_bytes_per_token_converted"] == 30 * 3 * 2 * 64 * 4 / 2
     assert summary["params_removed"] > 0 and summary["params_added"] > 0
-    # the recipe's attention transfer ran on the real model: it starts from the sink + recent
-    # heads (a small error, not the silent block's 1.0) and ends no worse in any layer
+    # the recipe's attention transfer ran on the real model, on Wikipedia and on long Shakespeare
+    # blocks: it starts from the sink + recent heads (a small error, not the silent block's 1.0)
+    # and ends no worse in any layer on the two together
     transfer = summary["transfer"]
-    assert 0 < transfer["mean_mse_before"] < 0.5
-    assert all(transfer["mse_after"][k] <= transfer["mse_before"][k] for k in transfer["mse_before"])
-    assert transfer["mean_mse_after"] < transfer["mean_mse_before"]
+    assert 0 < transfer["mean_mse_before"] < 0.5 and 0 < transfer["mean_mse_before_long"] < 0.5
+    assert transfer["long_samples"] == 2 and transfer["tokens_captured_long"] == 2 * 512
+    for k in transfer["mse_before"]:
+        after = transfer["mse_after"][k] + transfer["mse_after_long"][k]
+        assert after <= transfer["mse_before"][k] + transfer["mse_before_long"][k]
+    assert transfer["mean_mse_after"] + transfer["mean_mse_after_long"] < transfer["mean_mse_before"] + transfer["mean_mse_before_long"]
 
     run = summary_path.parent
     head_map = json.loads((run / "head_map.json").read_text())

@@ -170,8 +170,9 @@ def preflight(subcommand: str | None, config) -> None:
     * cross-checks of model and data, from ``config.json`` and ``tokenizer.json`` alone:
       ``data.seq_len`` within the model's context (``max_position_embeddings``), and the
       tokenizer's ids within the model's ``vocab_size``;
-    * attention transfer's long source (:func:`check_long_source`): ``model.transfer.long_source``
-      a known name with some text, ``long_seq_len`` within the model's context;
+    * attention transfer's long source (:func:`check_long_source`; fit and convert, which run
+      transfer): ``model.transfer.long_source`` a known name with some text, ``long_seq_len``
+      within the model's context;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
     """
@@ -184,8 +185,8 @@ def preflight(subcommand: str | None, config) -> None:
         check_model_source(base_model, bool(model.get("trust_remote_code")))
     if trainer is not None:
         check_trainer_settings(trainer)
-    if model is not None and hasattr(model.get("transfer"), "get"):
-        check_long_source(model.get("transfer"), base_model)
+    if model is not None and hasattr(model.get("transfer"), "get") and subcommand in ("fit", "convert"):
+        check_long_source(model.get("transfer"), base_model)  # the commands whose transfer reads it
     init = data.get("init_args") if data is not None and data.get("class_path") else data
     if init is not None and is_text_data(data.get("class_path") if data is not None else None):
         from rfkit.data import TextDataModule
