@@ -73,3 +73,18 @@ def memory_table() -> str:
             f"{r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | {r['throughput_ratio']:.2f} |"
         )
     return "\n".join(lines)
+
+
+@table("speed_decay_check")
+def speed_decay_check() -> str:
+    """docs/hybrid.md: the default recipe's fit before the state decay and after it (decay + long
+    transfer), each against the original in its own process, one after the other, same code."""
+    runs = {"before the decay": load("speed_smollm2_b05_decay/before.json"),
+            "with the decay": load("speed_smollm2_b05_decay/after.json")}  # fmt: skip
+    lines = ["| fit | context | prefill, original -> converted | decode, original -> converted |", "|---|---:|---:|---:|"]
+    for name, data in runs.items():
+        for r in data["rows"]:
+            prefill = _pair(r["prefill_tps_original"], r["prefill_tps_converted"], ".1f")
+            decode = _pair(r["decode_tps_original"], r["decode_tps_converted"], ".2f")
+            lines.append(f"| {name} | {r['context']:,} | {prefill} | {decode} |")
+    return "\n".join(lines)
