@@ -107,3 +107,28 @@ def packed(q, k, v):
     B, _, L, _ = q.shape
     flat = lambda t: t.transpose(1, 2).reshape(B, L, -1)  # noqa: E731
     return torch.cat([flat(q), flat(k), flat(v)], -1)
+
+
+def prefill_then_steps(model, ids, prefix: int = 7):
+    """Logits of a full forward, and of a ``prefix``-token prefill followed by one-token cached
+    steps (concatenated), plus the cache those steps leave: what step-decoding tests compare."""
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :prefix], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(prefix, ids.shape[1]):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    return full, torch.cat(steps, 1), cache
+
+
+def generate_plain_and_left_padded(model, ids, pad: int = 3, new_tokens: int = 8):
+    """Greedy generations of ``ids`` alone and left padded by ``pad`` tokens (padding stripped)."""
+    zeros = torch.zeros(ids.shape[0], pad, dtype=torch.long)
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        padded = model.generate(
+            torch.cat([zeros, ids], 1), attention_mask=torch.cat([torch.zeros_like(zeros), torch.ones_like(ids)], 1),
+            max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return plain, padded[:, pad:]

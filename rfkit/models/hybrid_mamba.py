@@ -64,9 +64,6 @@ from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.window import TILE, WindowAttention
 from rfkit.ops.scan import _segsum
 
-# The general path (training) runs long chunks in sub-chunks of this many tokens (its window
-# scores are L x (window + L)).
-PREFILL_CHUNK = 1024
 # Initial step size dt (b = softplus^-1 of it, w = 0): a state dimension n keeps a token for
 # about 1 / (n * DT_INIT) evicted tokens (100 tokens for n = 1, 6 for n = 16).
 DT_INIT = 0.01
@@ -247,21 +244,9 @@ class HybridMambaAttention(WindowAttention):
         return A / Z + self._gates(A.dtype, 1) * (C @ self._groups(state[3]))
 
     # -- general rank-masked path (training) -----------------------------------------------------
-    def _general(self, q, k, v, state, mask, window: int, return_states: bool):
-        """(B, L, d_out) [, next state] with rank masks: the path that training uses (a forward
-        may draw a shorter window). A chunk longer than ``PREFILL_CHUNK`` tokens runs as
-        consecutive sub-chunks that carry the state."""
-        L = q.shape[2]
-        if L <= PREFILL_CHUNK:
-            return self._general_chunk(q, k, v, state, mask, window, return_states)
-        outs = []
-        for start in range(0, L, PREFILL_CHUNK):
-            part = slice(start, start + PREFILL_CHUNK)
-            chunk = (t[:, :, part] for t in (q, k, v))
-            y, state = self._general_chunk(*chunk, state, None if mask is None else mask[:, part], window, True)
-            outs.append(y)
-        y = torch.cat(outs, 1)
-        return (y, state) if return_states else y
+    # long training chunks run as sub-chunks of hybrid.PREFILL_CHUNK tokens, carrying the state,
+    # exactly as the hybrid's (it calls this class's _general_chunk)
+    _general = HybridWindowAttention._general
 
     def _general_chunk(self, q, k, v, state, mask, window: int, return_states: bool):
         B, L = q.shape[0], q.shape[2]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import packed, random_ids, tiny_model
+from helpers import generate_plain_and_left_padded, packed, prefill_then_steps, random_ids, tiny_model
 
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.hybrid import HybridWindowAttention
@@ -195,19 +195,13 @@ def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
     return model
 
 
+@pytest.mark.parametrize("decay", [None, 6.0])
 @pytest.mark.parametrize("granularity", ["kv_group", "query_head"])
-def test_converted_model_step_decoding_equals_one_forward(granularity):
+def test_converted_model_step_decoding_equals_one_forward(granularity, decay):
     selected = ([0, 1], [2, 3]) if granularity == "kv_group" else ([1], [0, 3])
-    model = converted(selected=selected)
-    ids = random_ids(1, 24)
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :7], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
-        for t in range(7, 24):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    model = converted(selected=selected, operator=HybridOperator(sink=2, window=5, feature_dim=4, decay_horizon=decay))
+    full, steps, cache = prefill_then_steps(model, random_ids(1, 24))
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
     states = mixer_state_store(cache)
     assert cache_bytes(cache)["state"] == sum(model.model.layers[i].self_attn.mixer.state_bytes(1) for i in states)
 
@@ -223,18 +217,8 @@ def test_closed_gates_convert_to_the_sink_recent_model():
 
 def test_generate_with_left_padding_matches_unpadded_generation():
     model = converted()
-    ids = random_ids(1, 12)
-    pad = torch.zeros(1, 3, dtype=torch.long)
-    with torch.no_grad():
-        plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        padded = model.generate(
-            torch.cat([pad, ids], 1),
-            attention_mask=torch.cat([torch.zeros_like(pad), torch.ones_like(ids)], 1),
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    assert padded[0, 3:].tolist() == plain[0].tolist()
+    plain, padded = generate_plain_and_left_padded(model, random_ids(1, 12))
+    assert padded[0].tolist() == plain[0].tolist()
 
 
 def test_saved_hybrid_model_reloads_with_its_trained_state(tmp_path):
@@ -320,16 +304,3 @@ def test_decay_is_recorded_only_when_set_so_old_models_read_alike():
     assert again.decay_horizon == 256.0
     block = again.make_block(KVQ, HD, None)
     torch.testing.assert_close(block.log_horizon.detach().exp(), torch.full((2,), 256.0))
-
-
-def test_converted_model_with_decay_decodes_step_by_step_as_one_forward():
-    model = converted(operator=HybridOperator(sink=2, window=5, feature_dim=4, decay_horizon=6.0))
-    ids = random_ids(1, 24)
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :7], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
-        for t in range(7, 24):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import packed, random_ids, tiny_model
+from helpers import generate_plain_and_left_padded, packed, prefill_then_steps, random_ids, tiny_model
 
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.hybrid_mamba import HybridMambaAttention
@@ -214,7 +214,7 @@ def test_padding_leaves_the_state_and_outputs_of_the_real_tokens():
 
 
 def test_long_chunks_run_in_sub_chunks_with_the_same_result(monkeypatch):
-    import rfkit.models.hybrid_mamba
+    import rfkit.models.hybrid
 
     q, k, v = random_qkv(length=29, seed=8)
     x = packed(q, k, v)
@@ -223,7 +223,7 @@ def test_long_chunks_run_in_sub_chunks_with_the_same_result(monkeypatch):
     block = open_block()
     with torch.no_grad():
         full, state = general(block, x, return_states=True, mask=mask)
-        monkeypatch.setattr(rfkit.models.hybrid_mamba, "PREFILL_CHUNK", 4)
+        monkeypatch.setattr(rfkit.models.hybrid, "PREFILL_CHUNK", 4)
         split, split_state = general(block, x, return_states=True, mask=mask)
     torch.testing.assert_close(split, full, rtol=1e-12, atol=1e-12)
     for a, b in zip(split_state, state):
@@ -315,15 +315,8 @@ def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
 def test_converted_model_step_decoding_equals_one_forward(granularity):
     selected = ([0, 1], [2, 3]) if granularity == "kv_group" else ([1], [0, 3])
     model = converted(selected=selected)
-    ids = random_ids(1, 24)
-    with torch.no_grad():
-        full = model(ids).logits
-        out = model(ids[:, :7], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
-        for t in range(7, 24):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    full, steps, cache = prefill_then_steps(model, random_ids(1, 24))
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
     states = mixer_state_store(cache)
     assert cache_bytes(cache)["state"] == sum(model.model.layers[i].self_attn.mixer.state_bytes(1) for i in states)
 
@@ -340,18 +333,8 @@ def test_closed_gates_convert_to_the_sink_recent_model():
 
 def test_generate_with_left_padding_matches_unpadded_generation():
     model = converted()
-    ids = random_ids(1, 12)
-    pad = torch.zeros(1, 3, dtype=torch.long)
-    with torch.no_grad():
-        plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        padded = model.generate(
-            torch.cat([pad, ids], 1),
-            attention_mask=torch.cat([torch.zeros_like(pad), torch.ones_like(ids)], 1),
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    assert padded[0, 3:].tolist() == plain[0].tolist()
+    plain, padded = generate_plain_and_left_padded(model, random_ids(1, 12))
+    assert padded[0].tolist() == plain[0].tolist()
 
 
 def test_saved_model_reloads_with_its_trained_state(tmp_path):
