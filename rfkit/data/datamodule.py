@@ -386,12 +386,13 @@ class TextDataModule(L.LightningDataModule):
                 self.train.shape[0], self.batch_size,
             )
 
-    def train_sampler(self, dataset) -> ResumableShuffle:
+    def train_sampler(self, dataset, batch_size: int | None = None) -> ResumableShuffle:
         """The training order (see :class:`ResumableShuffle`), sharded over the trainer's ranks
-        and starting where a resumed checkpoint left off (:meth:`resume_at`)."""
+        and starting where a resumed checkpoint left off (:meth:`resume_at`). ``batch_size``:
+        items per batch (default ``self.batch_size``; 1 when every item is a whole batch)."""
         trainer = getattr(self, "trainer", None)
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        sampler = ResumableShuffle(dataset, self.seed, self.batch_size, num_replicas=replicas, rank=rank)
+        sampler = ResumableShuffle(dataset, self.seed, batch_size or self.batch_size, num_replicas=replicas, rank=rank)
         if self._resume is not None:
             sampler.resume_at(*self._resume)
             self._resume = None

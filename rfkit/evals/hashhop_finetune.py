@@ -36,12 +36,16 @@ class _Tokenized(Dataset):
 
 
 class _Collate:
-    """Right-pads ``(ids, prompt_len)`` rows to the longest in the batch."""
+    """Right-pads ``(ids, prompt_len)`` rows to the longest in the batch. With ``grouped`` each
+    item is already a whole batch (a list of rows from one setting) and the loader's batch size is 1."""
 
-    def __init__(self, pad_id: int):
+    def __init__(self, pad_id: int, grouped: bool = False):
         self.pad_id = pad_id
+        self.grouped = grouped
 
-    def __call__(self, rows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows) -> dict[str, torch.Tensor]:
+        if self.grouped:
+            rows = [row for group in rows for row in group]
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -69,13 +73,20 @@ class HashHopDataModule(TextDataModule):
     * ``hashhop_val_dataloader()`` yields held-out HashHop batches in the same format, for a
       completion loss outside the fit (``val_dataloader()`` stays on text).
 
+    * Several settings at once: ``hops`` and ``chars`` may be lists (of one length, or one of
+      them a single number that every setting shares), e.g. ``hops: [2, 4]``, ``chars: [2048,
+      1024]``. The samples are split evenly between the settings (setting ``j`` draws from seed
+      ``seed + j``) and every training batch holds samples of one setting only, so a short
+      sample is never padded to a long one; the batches' order is shuffled.
+
     Args (on top of :class:`~rfkit.data.TextDataModule`'s):
-        hops: Links in each queried chain.
+        hops: Links in each queried chain (a list: one per setting).
         hash_len: Letters per hash.
-        chars: Target prompt length in characters.
-        train_samples: Number of training samples (split ``train`` of the generator).
+        chars: Target prompt length in characters (a list: one per setting).
+        train_samples: Number of training samples (split ``train`` of the generator), over all
+            settings.
         val_samples: Number of held-out samples for ``hashhop_val_dataloader`` (split
-            ``validation``).
+            ``validation``), over all settings.
         seed: Seed of the samples and of the training shuffle (the text split does not use it).
     """
 
@@ -94,9 +105,9 @@ class HashHopDataModule(TextDataModule):
         hf_max_documents: int | None = 50000,
         num_workers: int = 0,
         seed: int = 0,
-        hops: int = 16,
+        hops: int | list[int] = 16,
         hash_len: int = 8,
-        chars: int = 6144,
+        chars: int | list[int] = 6144,
         train_samples: int = 512,
         val_samples: int = 32,
     ):
@@ -108,6 +119,7 @@ class HashHopDataModule(TextDataModule):
         self.val_samples = val_samples
         self.hashhop_train: list[tuple[list[int], int]] | None = None
         self.hashhop_validation: list[tuple[list[int], int]] | None = None
+        self._train_groups: list[list[tuple[list[int], int]]] | None = None  # several settings: whole batches
         super().__init__(
             source=source,
             tokenizer=tokenizer,
@@ -132,13 +144,50 @@ class HashHopDataModule(TextDataModule):
             SourceError: one line naming the field and what is allowed.
         """
         super().check()
-        for field in ("hops", "chars", "train_samples", "val_samples"):
+        for field in ("hops", "chars"):
+            value = getattr(self, field)
+            if isinstance(value, (list, tuple)):
+                if not value:
+                    raise SourceError(f"data.{field}: an empty list; give one number, or one per setting")
+                for i, v in enumerate(value):
+                    positive_int(f"data.{field}[{i}]", v, error=SourceError)
+            else:
+                positive_int(f"data.{field}", value, error=SourceError)
+        for field in ("train_samples", "val_samples"):
             positive_int(f"data.{field}", getattr(self, field), error=SourceError)
+        lengths = {len(v) for v in (self.hops, self.chars) if isinstance(v, (list, tuple))}
+        if len(lengths) > 1:
+            raise SourceError(
+                f"data.chars: {len(self.chars)} settings but data.hops has {len(self.hops)}; give lists of one length "
+                "(or one number for either)"
+            )
+        n = len(self.settings())
+        for field in ("train_samples", "val_samples"):
+            if getattr(self, field) < n:
+                raise SourceError(f"data.{field}: must be >= the number of settings ({n}), got {getattr(self, field)}")
         # only the type here: hash_len_problem says why a short hash is too short
         integer("data.hash_len", self.hash_len, error=SourceError, message="{field}: must be an integer >= 2, got {value!r}")
-        problem = hash_len_problem(self.hash_len, self.hops, self.chars)
-        if problem:
-            raise SourceError(f"data.hash_len: {problem.replace('--chars', 'data.chars').replace('--hops', 'data.hops')}")
+        for hops, chars in self.settings():
+            problem = hash_len_problem(self.hash_len, hops, chars)
+            if problem:
+                raise SourceError(f"data.hash_len: {problem.replace('--chars', 'data.chars').replace('--hops', 'data.hops')}")
+
+    def settings(self) -> list[tuple[int, int]]:
+        """``[(hops, chars), ...]``: one pair per setting (a single number is shared by all)."""
+        hops = list(self.hops) if isinstance(self.hops, (list, tuple)) else None
+        chars = list(self.chars) if isinstance(self.chars, (list, tuple)) else None
+        n = len(hops or chars or [0])
+        return list(zip(hops or [self.hops] * n, chars or [self.chars] * n))
+
+    def _generate(self, n: int, split: str) -> list[list[dict]]:
+        """``n`` samples of ``split`` split evenly over the settings (the first ones take the
+        remainder): one list per setting."""
+        settings = self.settings()
+        counts = [n // len(settings) + (j < n % len(settings)) for j in range(len(settings))]
+        return [
+            generate_samples(count, self.seed + j, split, hops=hops, hash_len=self.hash_len, chars=chars)
+            for j, (count, (hops, chars)) in enumerate(zip(counts, settings))
+        ]
 
     def hashhop_settings(self) -> dict[str, Any]:
         return {
@@ -168,14 +217,25 @@ class HashHopDataModule(TextDataModule):
         super().setup(stage)
         if self.hashhop_train is not None:
             return
-        kw = {"hops": self.hops, "hash_len": self.hash_len, "chars": self.chars}
-        self.hashhop_train = self._encode(generate_samples(self.train_samples, self.seed, "train", **kw))
-        self.hashhop_validation = self._encode(generate_samples(self.val_samples, self.seed, "validation", **kw))
+        train = [self._encode(samples) for samples in self._generate(self.train_samples, "train")]
+        self.hashhop_train = [row for rows in train for row in rows]
+        self.hashhop_validation = [row for samples in self._generate(self.val_samples, "validation") for row in self._encode(samples)]
+        self._train_groups = self._group(train) if len(train) > 1 else None
         if self.train_samples < self.batch_size:
             log.warning(
                 "data: only %d HashHop training samples for batch_size %d; with drop_last the training loader is empty",
                 self.train_samples, self.batch_size,
             )
+
+    def _group(self, per_setting: list[list[tuple[list[int], int]]]) -> list[list[tuple[list[int], int]]]:
+        """Whole batches of one setting each: every setting's rows in a seeded order, cut into
+        ``batch_size`` pieces (an incomplete last piece is dropped, as ``drop_last`` would)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        groups = []
+        for rows in per_setting:
+            order = torch.randperm(len(rows), generator=generator).tolist()
+            groups += [[rows[i] for i in order[k : k + self.batch_size]] for k in range(0, len(rows) - self.batch_size + 1, self.batch_size)]
+        return groups
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -198,7 +258,18 @@ class HashHopDataModule(TextDataModule):
         """HashHop training batches (``input_ids``, ``attention_mask``, ``labels``), shuffled
         with a generator seeded by ``seed``; the incomplete last batch is dropped."""
         self.setup()
-        return self._hashhop_loader(self.hashhop_train, shuffle=True)
+        if self._train_groups is None:
+            return self._hashhop_loader(self.hashhop_train, shuffle=True)
+        dataset = _Tokenized(self._train_groups)  # one item per batch; the sampler shuffles the batches
+        return DataLoader(
+            dataset,
+            batch_size=1,
+            sampler=self.train_sampler(dataset, batch_size=1),
+            drop_last=True,
+            collate_fn=_Collate(self._pad_id(), grouped=True),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def hashhop_val_dataloader(self) -> DataLoader:
         """Held-out HashHop batches in fixed order (same format as training)."""

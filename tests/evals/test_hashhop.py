@@ -224,6 +224,65 @@ def test_data_module_labels_only_the_completion(tiny_model_dir, tiny_corpus):
     assert dm.fingerprint() == small_module(tiny_model_dir, tiny_corpus, hops=5).fingerprint()
 
 
+def test_data_module_mixes_settings_one_setting_per_batch(tiny_model_dir, tiny_corpus):
+    """hops/chars as lists: the samples split evenly over the settings, each setting drawn from
+    seed + j, and every training batch holds one setting only (no short sample padded long)."""
+    kw = {"hops": [2, 3, 2], "chars": [200, 300, 400], "train_samples": 13, "val_samples": 4, "batch_size": 2}
+    dm = small_module(tiny_model_dir, tiny_corpus, **kw)
+    assert dm.settings() == [(2, 200), (3, 300), (2, 400)]
+    dm.setup("fit")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    # 13 samples: 5 + 4 + 4; setting j draws split "train" from seed 1 + j
+    setting_of = {}
+    for j, (n, (hops, chars)) in enumerate(zip((5, 4, 4), dm.settings())):
+        for s in generate_samples(n, seed=1 + j, split="train", hops=hops, chars=chars):
+            setting_of[tuple(tok(s["prompt"])["input_ids"])] = j
+    assert len(setting_of) == 13 and len(dm.hashhop_train) == 13
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 2 + 2 + 2  # per setting floor(n / 2); the odd sample of setting 0 is dropped
+    seen, order = [], []
+    for batch in batches:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        assert ids.shape[0] == 2 and mask.sum(1).max() == ids.shape[1]
+        settings = set()
+        for row in range(2):
+            prompt = next(p for p in setting_of if ids[row, : len(p)].tolist() == list(p))
+            settings.add(setting_of[prompt])
+            seen.append(prompt)
+        assert len(settings) == 1  # one setting per batch
+        order.append(settings.pop())
+    assert len(set(seen)) == 12 and sorted(order) == [0, 0, 1, 1, 2, 2]
+    assert order != sorted(order)  # the batches are shuffled, not setting after setting
+    again = small_module(tiny_model_dir, tiny_corpus, **kw)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again.train_dataloader()))
+    # a resumed run skips the batches it already trained on (the sampler counts whole batches)
+    again.resume_at(0, 4)
+    assert [b["input_ids"].tolist() for b in again.train_dataloader()] == [b["input_ids"].tolist() for b in batches[4:]]
+    assert sum(b["input_ids"].shape[0] for b in dm.hashhop_val_dataloader()) == 4
+    assert dm.describe()["hashhop"]["hops"] == [2, 3, 2]
+    # one number is shared by every setting
+    assert small_module(tiny_model_dir, tiny_corpus, hops=2, chars=[200, 300]).settings() == [(2, 200), (2, 300)]
+    # a single setting keeps the plain loader (the samples and order of runs made before lists)
+    single = small_module(tiny_model_dir, tiny_corpus, hops=[3], chars=300)
+    plain = small_module(tiny_model_dir, tiny_corpus)
+    assert [b["input_ids"].tolist() for b in single.train_dataloader()] == [b["input_ids"].tolist() for b in plain.train_dataloader()]
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"hops": [2, 0]}, "data.hops[1]: must be an integer >= 1"),
+        ({"hops": []}, "data.hops: an empty list"),
+        ({"hops": [2, 3], "chars": [200, 300, 400]}, "data.chars: 3 settings but data.hops has 2"),
+        ({"hops": [2, 3, 2], "train_samples": 2}, "data.train_samples: must be >= the number of settings (3), got 2"),
+        ({"hops": [2, 3], "chars": [300, 10**7], "hash_len": 2}, "data.hash_len: 2 letters give"),
+    ],
+)
+def test_data_module_rejects_bad_mixed_settings(tiny_model_dir, tiny_corpus, kw, message):
+    with pytest.raises(SourceError, match=re.escape(message)):
+        small_module(tiny_model_dir, tiny_corpus, **kw)
+
+
 @pytest.mark.parametrize(
     "kw,message",
     [
@@ -266,6 +325,29 @@ def test_the_two_hashhop_recipes_parse_and_train_the_same_way():
             del config["model"][key]
         del config["trainer"]["default_root_dir"]
     assert hybrid == mamba
+
+
+def test_the_long_hashhop_recipe_is_the_default_operator_on_the_longer_settings():
+    """smollm2_hashhop_long_b05 (issue 26's HashHop at longer prompts) fine-tunes the same way as
+    smollm2_hashhop_b05 but with the default recipe's operator and transfer, on the three settings."""
+    from rfkit.config.lightning_cli import make_cli
+
+    cli = make_cli(["--config", str(ROOT / "recipes" / "smollm2_hashhop_long_b05.yaml")], run=False, trainer_defaults={"logger": False, "enable_checkpointing": False})
+    dm = cli.datamodule
+    assert dm.settings() == [(2, 512), (4, 1024), (2, 2048)]
+    assert cli.trainer.max_steps * dm.batch_size == dm.train_samples and dm.train_samples % (3 * dm.batch_size) == 0
+    long, short, default = (yaml.safe_load((ROOT / "recipes" / f"{n}.yaml").read_text()) for n in ("smollm2_hashhop_long_b05", "smollm2_hashhop_b05", "smollm2_b05"))
+    assert long["model"]["operator"] == default["model"]["operator"]
+    assert long["model"]["transfer"] == default["model"]["transfer"]
+    assert long["model"]["lr_scheduler"]["init_args"]["T_max"] == long["trainer"]["max_steps"]
+    for config in (long, short):
+        for key in ("operator", "transfer", "lr_scheduler"):
+            del config["model"][key]
+        for key in ("hops", "chars", "train_samples", "val_samples"):
+            del config["data"]["init_args"][key]
+        for key in ("default_root_dir", "max_steps", "val_check_interval"):
+            del config["trainer"][key]
+    assert long == short  # policy, freezing, optimiser and the rest: the same fine-tune
 
 
 # ------------------------------------------------------------------------------- evaluation
