@@ -242,34 +242,28 @@ class HashHopDataModule(TextDataModule):
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return 0 if pad is None else int(pad)
 
-    def _hashhop_loader(self, rows, shuffle: bool) -> DataLoader:
+    def _hashhop_loader(self, rows, shuffle: bool, grouped: bool = False) -> DataLoader:
+        """``rows`` in batches of ``batch_size``; ``grouped``: each row is already a whole batch."""
         dataset = _Tokenized(rows)
+        per_batch = 1 if grouped else self.batch_size
         return DataLoader(
             dataset,
-            batch_size=self.batch_size,
-            sampler=self.train_sampler(dataset) if shuffle else None,
+            batch_size=per_batch,
+            sampler=self.train_sampler(dataset, batch_size=per_batch) if shuffle else None,
             drop_last=shuffle,
-            collate_fn=_Collate(self._pad_id()),
+            collate_fn=_Collate(self._pad_id(), grouped=grouped),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
         """HashHop training batches (``input_ids``, ``attention_mask``, ``labels``), shuffled
-        with a generator seeded by ``seed``; the incomplete last batch is dropped."""
+        with a generator seeded by ``seed``; the incomplete last batch is dropped. With several
+        settings each batch holds one setting, and the batches are shuffled."""
         self.setup()
         if self._train_groups is None:
             return self._hashhop_loader(self.hashhop_train, shuffle=True)
-        dataset = _Tokenized(self._train_groups)  # one item per batch; the sampler shuffles the batches
-        return DataLoader(
-            dataset,
-            batch_size=1,
-            sampler=self.train_sampler(dataset, batch_size=1),
-            drop_last=True,
-            collate_fn=_Collate(self._pad_id(), grouped=True),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return self._hashhop_loader(self._train_groups, shuffle=True, grouped=True)
 
     def hashhop_val_dataloader(self) -> DataLoader:
         """Held-out HashHop batches in fixed order (same format as training)."""
