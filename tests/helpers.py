@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import rfkit  # noqa: F401  (registers the converted model types)
@@ -100,7 +101,17 @@ def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
         "--model.transfer.long_source", str(corpus),
         "--model.transfer.long_seq_len", "64",
         "--model.transfer.long_samples", "2",
+        *_long_mix(recipe, corpus),
     ]  # fmt: skip
+
+
+def _long_mix(recipe, corpus) -> list[str]:
+    """The recipe's long blocks in training (``data.long_source``), from the tiny corpus at the
+    tiny model's scale; nothing for a recipe without them."""
+    data = yaml.safe_load(Path(recipe).read_text()).get("data") or {}
+    if not data.get("long_source"):
+        return []
+    return ["--data.long_source", str(corpus), "--data.long_seq_len", "96"]
 
 
 def packed(q, k, v):

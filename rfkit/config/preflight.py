@@ -131,31 +131,34 @@ def check_model_fits_data(base_model: str, seq_len, tokenizer) -> None:
         )
 
 
-def check_long_source(transfer, base_model) -> None:
-    """``model.transfer.long_source`` as ``data.source`` is checked: its name
-    (:func:`rfkit.data.check_source`) and, for local files, some text
-    (:meth:`rfkit.data.TextDataModule.check_text`, the ``text`` field); and
-    ``model.transfer.long_seq_len`` within the model's context when its config is on disk."""
+def check_long_source(section, base_model, prefix: str = "model.transfer.") -> None:
+    """A long-document source as ``data.source`` is checked, for ``model.transfer`` (attention
+    transfer's long blocks) and ``data`` (long blocks mixed into training), named by
+    ``prefix``: ``long_source``'s name (:func:`rfkit.data.check_source`) and, for local files,
+    some text (:meth:`rfkit.data.TextDataModule.check_text`, the ``text`` field); and
+    ``long_seq_len`` within the model's context when its config is on disk."""
     from rfkit.data import TextDataModule, check_source
+    from rfkit.data.datamodule import long_source_message
     from rfkit.hub import SourceError, context_length, read_model_config
-    from rfkit.training.transfer import TransferError, long_source_message
+    from rfkit.training.transfer import TransferError
 
-    source = transfer.get("long_source") if transfer is not None else None
+    source = section.get("long_source") if section is not None else None
     if source is None:
         return
-    field = "model.transfer.long_source"
-    check_source(source, field, error=TransferError)
+    error = TransferError if prefix == "model.transfer." else SourceError
+    field = f"{prefix}long_source"
+    check_source(source, field, error=error)
     try:
         TextDataModule.check_text(source, "text", field=field)
     except SourceError as err:  # a bad row names data.source or data.text_field
-        raise TransferError(long_source_message(str(err))) from None
-    length = transfer.get("long_seq_len")
+        raise error(long_source_message(str(err), field)) from None
+    length = section.get("long_seq_len", 2048)
     found = read_model_config(base_model) if isinstance(base_model, str) else None
     limit = context_length(found[0]) if found else None
     if limit and _is_int(length) and length > limit:
-        raise TransferError(
-            f"model.transfer.long_seq_len: {length} tokens is beyond the context of model.base_model "
-            f"(max_position_embeddings {limit} in {found[1]}); give model.transfer.long_seq_len <= {limit}"
+        raise error(
+            f"{prefix}long_seq_len: {length} tokens is beyond the context of model.base_model "
+            f"(max_position_embeddings {limit} in {found[1]}); give {prefix}long_seq_len <= {limit}"
         )
 
 
@@ -170,8 +173,9 @@ def preflight(subcommand: str | None, config) -> None:
     * cross-checks of model and data, from ``config.json`` and ``tokenizer.json`` alone:
       ``data.seq_len`` within the model's context (``max_position_embeddings``), and the
       tokenizer's ids within the model's ``vocab_size``;
-    * attention transfer's long source (:func:`check_long_source`; fit and convert, which run
-      transfer): ``model.transfer.long_source`` a known name with some text, ``long_seq_len``
+    * the long-document sources (:func:`check_long_source`): attention transfer's
+      ``model.transfer.long_source`` (fit and convert, which run transfer) and the training
+      mix's ``data.long_source`` (fit), each a known name with some text, its ``long_seq_len``
       within the model's context;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
@@ -195,6 +199,8 @@ def preflight(subcommand: str | None, config) -> None:
         TextDataModule.check_text(source, text_field)
         if isinstance(base_model, str):
             check_model_fits_data(base_model, init.get("seq_len"), init.get("tokenizer") or base_model)
+        if subcommand == "fit":  # the one command that trains on them
+            check_long_source(init, base_model, prefix="data.")
     if subcommand in ("fit", "validate", "test"):
         root = trainer.get("default_root_dir") if trainer is not None else None
         check_writable(root or os.getcwd(), "trainer.default_root_dir", "directory")

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from rfkit.atomic import atomic_write
 from rfkit.data.documents import SPLITS, _one_line, pack_blocks, split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
-from rfkit.data.sampling import ResumableShuffle, _Blocks
+from rfkit.data.sampling import InterleavedBatches, ResumableShuffle, _Blocks, _MixedBlocks
 from rfkit.data.sources import (
     LOCAL_SUFFIXES,
     _local_files,
@@ -81,6 +81,10 @@ class TextDataModule(L.LightningDataModule):
         hf_max_documents: int | None = 50000,
         num_workers: int = 0,
         seed: int = 0,
+        long_source: str | None = None,
+        long_seq_len: int = 2048,
+        long_every: int = 1,
+        long_batch_size: int = 1,
     ):
         """Text source, tokenisation and packing settings.
 
@@ -110,6 +114,15 @@ class TextDataModule(L.LightningDataModule):
                 loads the whole split.
             num_workers: DataLoader worker processes.
             seed: Seed of the training shuffle (the split does not depend on it).
+            long_source: Long documents mixed into training (a source as ``source`` names them,
+                for example ``embedded:shakespeare``): after every ``long_every`` training
+                batches, one batch of ``long_batch_size`` blocks of ``long_seq_len`` tokens
+                from the **train** split of this source, so end-to-end training also sees long
+                context. Its calibration and validation documents (what ``rfkit eval context``
+                scores) never appear. None: short blocks only.
+            long_seq_len: Tokens per long block.
+            long_every: Short batches between two long ones.
+            long_batch_size: Long blocks per long batch.
         """
         super().__init__()
         self.source = str(source)
@@ -127,6 +140,11 @@ class TextDataModule(L.LightningDataModule):
         self.hf_max_documents = hf_max_documents
         self.num_workers = num_workers
         self.seed = seed
+        self.long_source = None if long_source is None else str(long_source)
+        self.long_seq_len = long_seq_len
+        self.long_every = long_every
+        self.long_batch_size = long_batch_size
+        self.long_train: torch.Tensor | None = None  # (N, long_seq_len), set up with long_source
 
         self.calibration: torch.Tensor | None = None
         self.validation: torch.Tensor | None = None
@@ -147,6 +165,7 @@ class TextDataModule(L.LightningDataModule):
             SourceError: one line naming the offending ``data.*`` field and what is allowed.
         """
         minimums = {"seq_len": 2, "batch_size": 1, "calibration_samples": 1, "val_blocks": 1, "num_workers": 0}
+        minimums.update(long_seq_len=2, long_every=1, long_batch_size=1)
         for field, minimum in minimums.items():
             value = getattr(self, field)
             if not _is_int(value) or value < minimum:
@@ -189,6 +208,8 @@ class TextDataModule(L.LightningDataModule):
 
     def _check_source(self) -> None:
         check_source(self.source)
+        if self.long_source is not None:
+            check_source(self.long_source, "data.long_source")
 
     #: ``.json`` files up to this size are parsed by :meth:`check_text` (they cannot be read lazily)
     CHECK_TEXT_JSON_BYTES = 64 * 2**20
@@ -386,13 +407,28 @@ class TextDataModule(L.LightningDataModule):
                 self.train.shape[0], self.batch_size,
             )
 
+    def long_blocks(self) -> torch.Tensor | None:
+        """The long source's train blocks ``(N, long_seq_len)`` (None without ``long_source``),
+        read on first use: only training needs them."""
+        if self.long_source is not None and self.long_train is None:
+            if self.tokenizer_name is None:
+                raise SourceError(_NO_TOKENIZER)
+            self.long_train = train_split_blocks(self.long_source, self.tokenizer_name, self.long_seq_len, "data.")
+        return self.long_train
+
     def train_sampler(self, dataset, batch_size: int | None = None) -> ResumableShuffle:
         """The training order (see :class:`ResumableShuffle`), sharded over the trainer's ranks
         and starting where a resumed checkpoint left off (:meth:`resume_at`). ``batch_size``:
         items per batch (default ``self.batch_size``; 1 when every item is a whole batch)."""
+        replicas, rank = self._ranks()
+        return self._resumed(ResumableShuffle(dataset, self.seed, batch_size or self.batch_size, num_replicas=replicas, rank=rank))
+
+    def _ranks(self) -> tuple[int, int]:
+        """(world size, global rank) of the trainer this module is attached to; (1, 0) alone."""
         trainer = getattr(self, "trainer", None)
-        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        sampler = ResumableShuffle(dataset, self.seed, batch_size or self.batch_size, num_replicas=replicas, rank=rank)
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def _resumed(self, sampler: ResumableShuffle) -> ResumableShuffle:
         if self._resume is not None:
             sampler.resume_at(*self._resume)
             self._resume = None
@@ -415,9 +451,24 @@ class TextDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Training blocks, shuffled with a generator seeded by ``seed``; incomplete last batch dropped."""
+        """Training blocks, shuffled with a generator seeded by ``seed``; incomplete last batch
+        dropped. With ``long_source``, a batch of long blocks after every ``long_every`` of them
+        (:class:`rfkit.data.sampling.InterleavedBatches`)."""
         self.setup()
-        return self._loader(self.train, shuffle=True)
+        if self.long_blocks() is None:
+            return self._loader(self.train, shuffle=True)
+        dataset = _MixedBlocks(self.train, self.long_train)
+        replicas, rank = self._ranks()
+        sampler = self._resumed(
+            InterleavedBatches(dataset, self.seed, self.batch_size, self.long_batch_size, self.long_every, replicas, rank)
+        )
+        return DataLoader(
+            dataset,
+            batch_size=None,  # every item the sampler yields is a whole batch
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation blocks in fixed order."""
@@ -451,4 +502,44 @@ class TextDataModule(L.LightningDataModule):
             "available_blocks": available,
             "documents": dict(self._documents),
             "fingerprint": self.fingerprint(),
+            **self._describe_long(),
         }
+
+    def _describe_long(self) -> dict[str, Any]:
+        if self.long_blocks() is None:
+            return {}
+        return {
+            "long": {
+                "source": self.long_source,
+                "seq_len": self.long_seq_len,
+                "every": self.long_every,
+                "batch_size": self.long_batch_size,
+                "train_blocks": int(self.long_train.shape[0]),
+            }
+        }
+
+
+def long_source_message(message: str, field: str) -> str:
+    """A data error about a long-document source, naming ``field`` (the data code names
+    ``data.source`` or ``data.text_field``)."""
+    for prefix in ("data.source: ", "data.text_field: "):
+        if message.startswith(prefix):
+            return f"{field}: " + message.removeprefix(prefix)
+    return message
+
+
+def train_split_blocks(source: str, tokenizer: str, seq_len: int, prefix: str) -> torch.Tensor:
+    """Every packed block of ``seq_len`` tokens in the **train** split of ``source`` (int64),
+    packed as ``data.source``'s are (same default split, same cache), for the long-document
+    settings ``{prefix}long_source`` / ``{prefix}long_seq_len`` (``data.`` or
+    ``model.transfer.``), which the one-line :class:`SourceError` names."""
+    try:
+        blocks = TextDataModule(source=source, tokenizer=tokenizer, seq_len=seq_len).split_blocks("train")
+    except SourceError as err:
+        raise SourceError(long_source_message(str(err), f"{prefix}long_source")) from None
+    if len(blocks) == 0:
+        raise SourceError(
+            f"{prefix}long_seq_len: the train split of '{source}' has no complete block of "
+            f"{seq_len} tokens; use a smaller long_seq_len or a source with more text"
+        )
+    return blocks

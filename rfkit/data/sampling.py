@@ -1,4 +1,5 @@
-"""What the data loaders iterate: packed blocks as a dataset, and the resumable training order."""
+"""What the data loaders iterate: packed blocks as a dataset, the resumable training order, and
+that order with long blocks interleaved (``data.long_source``)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,79 @@ class ResumableShuffle(DistributedSampler):
             log.info("data: resuming epoch %d after its first %d batches", self.epoch, self._resume[1])
         self._resume = None
         return iter(indices)
+
+
+class _MixedBlocks(Dataset):
+    """Short and long blocks (two tensors of different widths) for the interleaved training
+    loader: the sampler yields whole batches as ``(kind, rows)`` with kind ``"short"`` or
+    ``"long"``, and an item is ``{"input_ids": LongTensor(len(rows), width)}``."""
+
+    def __init__(self, short: torch.Tensor, long: torch.Tensor):
+        self.blocks = {"short": short, "long": long}
+
+    def __len__(self) -> int:
+        return sum(b.shape[0] for b in self.blocks.values())
+
+    def __getitem__(self, item: tuple[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        kind, rows = item
+        return {"input_ids": self.blocks[kind][list(rows)]}
+
+
+class InterleavedBatches(ResumableShuffle):
+    """The training order with long blocks mixed in: after every ``long_every`` batches of
+    short blocks, one batch of ``long_batch_size`` long blocks.
+
+    The short blocks keep :class:`ResumableShuffle`'s order for (seed, epoch), cut into batches
+    of ``batch_size`` (an incomplete last batch is dropped); the long blocks follow their own
+    permutation per epoch (seed ``seed + 1``), sharded over ranks the same way and cycled when
+    an epoch needs more of them than there are. An epoch is one pass over the short blocks.
+    Each element the sampler yields is a whole batch, ``("short" | "long", rows)``, so the
+    loader runs with ``batch_size=None`` and :meth:`resume_at` counts those batches.
+    """
+
+    def __init__(
+        self,
+        dataset: _MixedBlocks,
+        seed: int,
+        batch_size: int,
+        long_batch_size: int = 1,
+        long_every: int = 1,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        super().__init__(_Blocks(dataset.blocks["short"]), seed, batch_size, num_replicas=num_replicas, rank=rank)
+        self.n_long = int(dataset.blocks["long"].shape[0])
+        self.long_batch_size = int(long_batch_size)
+        self.long_every = int(long_every)
+
+    def _long_rows(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + 1 + 7919 * epoch)
+        rows = torch.randperm(self.n_long, generator=generator).tolist()
+        mine = rows[self.rank :: self.num_replicas] if self.n_long >= self.num_replicas else rows
+        return mine or rows
+
+    def batches(self, epoch: int) -> list[tuple[str, tuple[int, ...]]]:
+        """This rank's batches for ``epoch``, before any resume skip."""
+        short = self.order(epoch)
+        n_short = len(short) // self.batch_size
+        long_rows, used = self._long_rows(epoch), 0
+        out: list[tuple[str, tuple[int, ...]]] = []
+        for b in range(n_short):
+            out.append(("short", tuple(short[b * self.batch_size : (b + 1) * self.batch_size])))
+            if (b + 1) % self.long_every == 0:
+                rows = [long_rows[(used + i) % len(long_rows)] for i in range(self.long_batch_size)]
+                used += self.long_batch_size
+                out.append(("long", tuple(rows)))
+        return out
+
+    def __len__(self) -> int:
+        n_short = self.num_samples // self.batch_size
+        return n_short + n_short // self.long_every
+
+    def __iter__(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        batches = self.batches(self.epoch)
+        if self._resume is not None and self._resume[0] == self.epoch:
+            batches = batches[self._resume[1] :]
+            log.info("data: resuming epoch %d after its first %d batches", self.epoch, self._resume[1])
+        self._resume = None
+        return iter(batches)

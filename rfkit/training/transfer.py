@@ -113,10 +113,9 @@ class TransferConfig:
 def long_source_message(message: str) -> str:
     """A data error about the long source, naming ``model.transfer.long_source`` (the data code
     names ``data.source`` or ``data.text_field``)."""
-    for prefix in ("data.source: ", "data.text_field: "):
-        if message.startswith(prefix):
-            return "model.transfer.long_source: " + message.removeprefix(prefix)
-    return message
+    from rfkit.data.datamodule import long_source_message as naming
+
+    return naming(message, "model.transfer.long_source")
 
 
 def load_long_blocks(config: TransferConfig, tokenizer: str | None, seed: int = 0) -> torch.Tensor | None:
@@ -137,19 +136,13 @@ def load_long_blocks(config: TransferConfig, tokenizer: str | None, seed: int = 
     """
     if config.long_source is None:
         return None
-    from rfkit.data import TextDataModule
+    from rfkit.data.datamodule import train_split_blocks
     from rfkit.hub import SourceError
 
     try:
-        data = TextDataModule(source=config.long_source, tokenizer=tokenizer, seq_len=config.long_seq_len)
-        blocks = data.split_blocks("train")
+        blocks = train_split_blocks(config.long_source, tokenizer, config.long_seq_len, "model.transfer.")
     except SourceError as err:
-        raise TransferError(long_source_message(str(err))) from None
-    if len(blocks) == 0:
-        raise TransferError(
-            f"model.transfer.long_seq_len: the train split of '{config.long_source}' has no complete block of "
-            f"{config.long_seq_len} tokens; use a smaller long_seq_len or a source with more text"
-        )
+        raise TransferError(str(err)) from None
     if len(blocks) < config.long_samples:
         log.warning(
             "model.transfer: the train split of '%s' has only %d blocks of %d tokens (%d requested); using all of them",

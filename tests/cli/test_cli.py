@@ -43,7 +43,7 @@ def test_fit_writes_summary_head_map_and_a_model_that_reloads(tiny_model_dir, ti
         assert summary[key] is not None, key
     assert summary["total_heads"] == 8 and summary["replaced_heads"] == 4  # beta 0.5 of 4 KV groups
     assert summary["cache_bytes_per_token_converted"] == summary["cache_bytes_per_token_original"] / 2
-    assert summary["train_tokens"] == 2 * 2 * 32
+    assert summary["train_tokens"] == 2 * 32 + 96  # max_steps 2: a batch of 2 x 32 tokens, then a long block of 96
     assert "rfkit fit: done" in out and f"{summary['ppl_ratio']:.3f}" in out  # the end screen shows the ratio too
     run = summary_path.parent
     assert (run / "config.yaml").exists()  # the resolved recipe next to the logs

@@ -211,7 +211,7 @@ CPU2 = ["--trainer.devices", "2", "--trainer.accelerator", "cpu"]
 def check_distributed_run(run: dict, single: dict) -> None:
     assert "GLOBAL_RANK: 1" in run["output"]  # really two processes
     assert run["output"].count("rfkit fit: done") == 1
-    assert single["summary"]["train_tokens"] == 2 * 2 * 32  # max_steps 2, batch 2, 32 tokens
+    assert single["summary"]["train_tokens"] == 2 * 32 + 96  # max_steps 2: a batch of 2 x 32 tokens, a long block of 96
     assert run["summary"]["train_tokens"] == 2 * single["summary"]["train_tokens"]  # both ranks' tokens
     assert run["head_map"]["selected"] == single["head_map"]["selected"]
     assert run["head_map"]["rai"] == single["head_map"]["rai"]  # the all-reduced profile
