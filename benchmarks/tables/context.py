@@ -8,7 +8,8 @@ from __future__ import annotations
 from tables import load, table
 from tables.trained import LEVEL, SINK_RECENT, best, bold, short
 
-DEFAULT = "context_smollm2_b05_decay/context.json"  # the default recipe's fit, state decay + long blocks
+DEFAULT = "context_smollm2_b05_longmix/context.json"  # the default recipe's fit: state decay, long blocks in transfer and training
+DECAY = "context_smollm2_b05_decay/context.json"  # the same before long blocks in end-to-end training
 BETA_075 = "context_smollm2_b075_decay/context.json"
 HYBRID = "context_smollm2_b05/context.json"  # before the decay: the state summed every old token
 VARIANTS = "context_variants_smollm2_b05"
@@ -89,7 +90,8 @@ def context_variants() -> str:
     column is each fit's own validation ratio (512-token blocks)."""
     variants = {
         "decay128": "hybrid, state decay (horizon 128), transfer on 512-token blocks",
-        "decay128_long": "hybrid, state decay, transfer also on 2,048-token blocks (the default)",
+        "decay128_long": "hybrid, state decay, transfer also on 2,048-token blocks",
+        "longmix": "the same, end-to-end training also on 2,048-token blocks (the default)",
         "hybrid_mamba": "sink + window + a Mamba state (HybridMambaOperator), its recipe",
     }
     data = {v: load(f"{VARIANTS}/{v}/context.json") for v in variants}
@@ -113,3 +115,10 @@ def context_trained() -> str:
     """docs/trained.md (history): original, the hybrid trained before the state decay (its state
     summed every old token; 512-token transfer), the same with its state off, sink_recent(4, 64)."""
     return _four_rows(HYBRID, "hybrid, trained before the decay")
+
+
+@table("context_decay")
+def context_decay() -> str:
+    """docs/trained.md (history): the fit with state decay and long-block transfer, before its
+    end-to-end training also saw long blocks, on the same blocks and keys as the default's table."""
+    return _four_rows(DECAY, "hybrid, trained before long blocks in end-to-end training")

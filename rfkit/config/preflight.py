@@ -138,7 +138,7 @@ def check_long_source(section, base_model, prefix: str = "model.transfer.") -> N
     some text (:meth:`rfkit.data.TextDataModule.check_text`, the ``text`` field); and
     ``long_seq_len`` within the model's context when its config is on disk."""
     from rfkit.data import TextDataModule, check_source
-    from rfkit.data.datamodule import long_source_message
+    from rfkit.data.long import long_source_message
     from rfkit.hub import SourceError, context_length, read_model_config
     from rfkit.training.transfer import TransferError
 

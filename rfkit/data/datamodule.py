@@ -17,16 +17,9 @@ from torch.utils.data import DataLoader
 from rfkit.atomic import atomic_write
 from rfkit.data.documents import SPLITS, _one_line, pack_blocks, split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
-from rfkit.data.sampling import InterleavedBatches, ResumableShuffle, _Blocks, _MixedBlocks
-from rfkit.data.sources import (
-    LOCAL_SUFFIXES,
-    _local_files,
-    _read_local,
-    _source_signature,
-    check_source,
-    load_documents,
-    source_kind,
-)
+from rfkit.data.long import interleaved_loader, long_source_message
+from rfkit.data.sampling import ResumableShuffle, _Blocks
+from rfkit.data.sources import CHECK_TEXT_JSON_BYTES, _source_signature, check_source, check_text, load_documents
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, SourceError, cache_dir, is_embedded, looks_like_path, resolve_model
 from rfkit.validate import is_int as _is_int
 
@@ -144,7 +137,7 @@ class TextDataModule(L.LightningDataModule):
         self.long_seq_len = long_seq_len
         self.long_every = long_every
         self.long_batch_size = long_batch_size
-        self.long_train: torch.Tensor | None = None  # (N, long_seq_len), set up with long_source
+        self.long_train: torch.Tensor | None = None  # (N, long_seq_len): long_blocks() reads it on first use
 
         self.calibration: torch.Tensor | None = None
         self.validation: torch.Tensor | None = None
@@ -212,43 +205,8 @@ class TextDataModule(L.LightningDataModule):
             check_source(self.long_source, "data.long_source")
 
     #: ``.json`` files up to this size are parsed by :meth:`check_text` (they cannot be read lazily)
-    CHECK_TEXT_JSON_BYTES = 64 * 2**20
-
-    @staticmethod
-    def check_text(source: str, text_field: str = "text", field: str = "data.source") -> None:
-        """The preflight on a local source's contents, before any model loads (the CLI runs it
-        on the recipe's ``data`` section and on ``model.transfer.long_source``, whose messages
-        name ``field``): not every file empty (0 bytes), and at least one
-        usable document. It reads only up to the first document (``.json`` files of at most
-        :attr:`CHECK_TEXT_JSON_BYTES`), so a bad row after it is still found by
-        :meth:`setup`. The embedded data and hub datasets are not read here; neither is
-        anything that :meth:`check` already refuses.
-
-        Raises:
-            SourceError: one line naming ``field`` (or ``data.text_field``).
-        """
-        if not isinstance(source, str) or source_kind(source) != "local" or not isinstance(text_field, str):
-            return
-        root = Path(source).expanduser()
-        if not root.exists() or (root.is_file() and root.suffix.lower() not in LOCAL_SUFFIXES):
-            return
-        files = _local_files(root)
-        sized = [(p, p.stat().st_size) for p in files]
-        if sized and all(size == 0 for _, size in sized):
-            what = f"file '{source}' is" if root.is_file() else f"every file in directory '{source}' is"
-            raise SourceError(f"{field}: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
-        for path, size in sized:
-            if size == 0 or (path.suffix.lower() == ".json" and size > TextDataModule.CHECK_TEXT_JSON_BYTES):
-                if size:
-                    return  # too big to parse twice; setup() reads it
-                continue
-            if next(iter(_read_local(path, text_field)), None) is not None:
-                return
-        setting = ", data.text_field," if field == "data.source" else ""
-        why = f" (the '{text_field}' field{setting} is empty or null in every row)" if any(
-            p.suffix.lower() in (".jsonl", ".json") for p in files
-        ) else " (every line is blank)"
-        raise SourceError(f"{field}: '{source}' contains no documents{why}; give text to tokenise")
+    CHECK_TEXT_JSON_BYTES = CHECK_TEXT_JSON_BYTES
+    check_text = staticmethod(check_text)
 
     # ---------------------------------------------------------------- identity
 
@@ -457,18 +415,7 @@ class TextDataModule(L.LightningDataModule):
         self.setup()
         if self.long_blocks() is None:
             return self._loader(self.train, shuffle=True)
-        dataset = _MixedBlocks(self.train, self.long_train)
-        replicas, rank = self._ranks()
-        sampler = self._resumed(
-            InterleavedBatches(dataset, self.seed, self.batch_size, self.long_batch_size, self.long_every, replicas, rank)
-        )
-        return DataLoader(
-            dataset,
-            batch_size=None,  # every item the sampler yields is a whole batch
-            sampler=sampler,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return interleaved_loader(self)
 
     def val_dataloader(self) -> DataLoader:
         """Validation blocks in fixed order."""
@@ -508,24 +455,8 @@ class TextDataModule(L.LightningDataModule):
     def _describe_long(self) -> dict[str, Any]:
         if self.long_blocks() is None:
             return {}
-        return {
-            "long": {
-                "source": self.long_source,
-                "seq_len": self.long_seq_len,
-                "every": self.long_every,
-                "batch_size": self.long_batch_size,
-                "train_blocks": int(self.long_train.shape[0]),
-            }
-        }
-
-
-def long_source_message(message: str, field: str) -> str:
-    """A data error about a long-document source, naming ``field`` (the data code names
-    ``data.source`` or ``data.text_field``)."""
-    for prefix in ("data.source: ", "data.text_field: "):
-        if message.startswith(prefix):
-            return f"{field}: " + message.removeprefix(prefix)
-    return message
+        settings = {"source": self.long_source, "seq_len": self.long_seq_len, "every": self.long_every}
+        return {"long": {**settings, "batch_size": self.long_batch_size, "train_blocks": int(self.long_train.shape[0])}}
 
 
 def train_split_blocks(source: str, tokenizer: str, seq_len: int, prefix: str) -> torch.Tensor:

@@ -251,3 +251,43 @@ def _source_signature(source: str) -> dict[str, Any]:
         except (OSError, SourceError):
             return {"kind": kind, "source": source, "files": []}
     return {"kind": kind, "source": source}
+
+
+#: ``.json`` files up to this size are parsed by :func:`check_text` (they cannot be read lazily)
+CHECK_TEXT_JSON_BYTES = 64 * 2**20
+
+
+def check_text(source: str, text_field: str = "text", field: str = "data.source") -> None:
+    """The preflight on a local source's contents, before any model loads (the CLI runs it on
+    the recipe's ``data`` section and on the long-document sources, ``data.long_source`` and
+    ``model.transfer.long_source``, whose messages name ``field``): not every file empty (0
+    bytes), and at least one usable document. It reads only up to the first document (``.json``
+    files of at most :data:`CHECK_TEXT_JSON_BYTES`), so a bad row after it is still found when
+    the data module reads the source. The embedded data and hub datasets are not read here;
+    neither is anything that :meth:`rfkit.data.TextDataModule.check` already refuses.
+
+    Raises:
+        SourceError: one line naming ``field`` (or ``data.text_field``).
+    """
+    if not isinstance(source, str) or source_kind(source) != "local" or not isinstance(text_field, str):
+        return
+    root = Path(source).expanduser()
+    if not root.exists() or (root.is_file() and root.suffix.lower() not in LOCAL_SUFFIXES):
+        return
+    files = _local_files(root)
+    sized = [(p, p.stat().st_size) for p in files]
+    if sized and all(size == 0 for _, size in sized):
+        what = f"file '{source}' is" if root.is_file() else f"every file in directory '{source}' is"
+        raise SourceError(f"{field}: {what} empty (0 bytes); give .txt/.jsonl/.json text to tokenise")
+    for path, size in sized:
+        if size == 0 or (path.suffix.lower() == ".json" and size > CHECK_TEXT_JSON_BYTES):
+            if size:
+                return  # too big to parse twice; the data module reads it
+            continue
+        if next(iter(_read_local(path, text_field)), None) is not None:
+            return
+    setting = ", data.text_field," if field == "data.source" else ""
+    why = f" (the '{text_field}' field{setting} is empty or null in every row)" if any(
+        p.suffix.lower() in (".jsonl", ".json") for p in files
+    ) else " (every line is blank)"
+    raise SourceError(f"{field}: '{source}' contains no documents{why}; give text to tokenise")

@@ -113,7 +113,7 @@ class TransferConfig:
 def long_source_message(message: str) -> str:
     """A data error about the long source, naming ``model.transfer.long_source`` (the data code
     names ``data.source`` or ``data.text_field``)."""
-    from rfkit.data.datamodule import long_source_message as naming
+    from rfkit.data.long import long_source_message as naming
 
     return naming(message, "model.transfer.long_source")
 
