@@ -69,7 +69,8 @@ class ResumableShuffle(DistributedSampler):
 class _MixedBlocks(Dataset):
     """Short and long blocks (two tensors of different widths) for the interleaved training
     loader: the sampler yields whole batches as ``(kind, rows)`` with kind ``"short"`` or
-    ``"long"``, and an item is ``{"input_ids": LongTensor(len(rows), width)}``."""
+    ``"long"``, and an item is ``{"input_ids": LongTensor(len(rows), width), "long": bool}`` (the
+    loss reads ``long``: ``model.distill.long_ce``)."""
 
     def __init__(self, short: torch.Tensor, long: torch.Tensor):
         self.blocks = {"short": short, "long": long}
@@ -77,9 +78,9 @@ class _MixedBlocks(Dataset):
     def __len__(self) -> int:
         return sum(b.shape[0] for b in self.blocks.values())
 
-    def __getitem__(self, item: tuple[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item: tuple[str, tuple[int, ...]]) -> dict:
         kind, rows = item
-        return {"input_ids": self.blocks[kind][list(rows)]}
+        return {"input_ids": self.blocks[kind][list(rows)], "long": kind == "long"}
 
 
 class InterleavedBatches(ResumableShuffle):

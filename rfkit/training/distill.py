@@ -38,6 +38,9 @@ class DistillConfig:
         hidden: Weight of the per-layer hidden-state MSE to the teacher.
         share_modules: Run the teacher inside the student, sharing its unchanged modules
             (``false``: a frozen full copy, needed only when shared weights are trained).
+        long_ce: Weight of the cross-entropy on the long blocks that ``data.long_source`` mixes
+            into training (``null``: ``ce``). ``0`` distils them alone: the student learns the
+            original's long-context behaviour, not the long source's text.
     """
 
     ce: float = 1.0
@@ -45,13 +48,21 @@ class DistillConfig:
     temperature: float = 1.0
     hidden: float = 0.0
     share_modules: bool = True
+    long_ce: float | None = None
 
     def __post_init__(self):
-        for name in ("ce", "kl", "hidden"):
+        for name in ("ce", "kl", "hidden") + (("long_ce",) if self.long_ce is not None else ()):
             in_range(f"model.distill.{name}", getattr(self, name), 0, finite=True, error=DistillError)
         if self.ce == 0 and self.kl == 0 and self.hidden == 0:
             raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
+        if self.long_ce == 0 and self.kl == 0 and self.hidden == 0:
+            raise DistillError("model.distill: long_ce, kl and hidden are all 0; the long blocks would have no loss")
         in_range("model.distill.temperature", self.temperature, 0, low_open=True, finite=True, error=DistillError)
+
+    def ce_weight(self, batch: dict) -> float:
+        """The cross-entropy weight of ``batch``: ``long_ce`` for a batch of long blocks (marked
+        ``long`` by the interleaved loader) when it is set, else ``ce``."""
+        return self.long_ce if batch.get("long") and self.long_ce is not None else self.ce
 
     @property
     def needs_teacher(self) -> bool:
@@ -99,7 +110,7 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     if config is None:
         return ce, {"ce": ce.detach()}
     parts = {"ce": ce.detach()}
-    loss = config.ce * ce
+    loss = config.ce_weight(batch) * ce
     if config.needs_teacher:
         if teacher is None:
             raise DistillError("model.distill: the kl and hidden terms need a teacher")

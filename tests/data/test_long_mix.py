@@ -51,6 +51,7 @@ def test_long_batches_follow_every_long_every_short_batches(sources, tokenizer_d
     n_short = dm.train.shape[0] // 3
     assert len(batches) == n_short + n_short // 2 == len(dm.train_dataloader())
     shapes = [tuple(b.shape) for b in batches]
+    assert [b["long"] for b in dm.train_dataloader()] == [s[1] == 64 for s in shapes]
     expected = []
     for i in range(n_short):
         expected.append((3, 8))
@@ -109,7 +110,9 @@ def test_ranks_take_disjoint_short_batches():
     assert not set(rows[0]) & set(rows[1]) and len(rows[0]) == len(rows[1]) == 6
     longs = [[i for kind, b in order if kind == "long" for i in b] for order in orders]
     assert set(longs[0][:2]).isdisjoint(longs[1][:2])
-    assert dataset[("long", (1, 3))]["input_ids"].shape == (2, 16)
+    item = dataset[("long", (1, 3))]
+    assert item["input_ids"].shape == (2, 16) and item["long"] is True  # the loss reads the mark (distill.long_ce)
+    assert dataset[("short", (0,))]["long"] is False
 
 
 def test_describe_records_the_long_source(sources, tokenizer_dir):

@@ -199,11 +199,33 @@ def test_kl_loss_hand_computed():
         ({"kl": -1}, "model.distill.kl: -1 is not allowed"),
         ({"temperature": 0}, "model.distill.temperature: 0 is not allowed"),
         ({"ce": 0, "kl": 0, "hidden": 0}, "at least one weight must be > 0"),
+        ({"long_ce": -0.5}, "model.distill.long_ce: -0.5 is not allowed"),
+        ({"long_ce": 0, "kl": 0}, "long_ce, kl and hidden are all 0"),
     ],
 )
 def test_distill_settings_are_checked(kwargs, message):
     with pytest.raises(DistillError, match=message):
         DistillConfig(**kwargs)
+
+
+def test_long_ce_weighs_the_cross_entropy_of_long_batches_only():
+    """``long_ce: 0``: a batch the interleaved loader marks ``long`` is distilled alone (KL),
+    a short batch keeps ``ce``; unset, both keep ``ce``."""
+    from rfkit.training.distill import training_loss
+
+    _, model = converted()  # Mamba blocks in place of the selected heads: the KL to the teacher is not 0
+    teacher = SharedTeacher(model)
+    ids = random_ids(2, 16)
+    config = DistillConfig(ce=1.0, kl=1.0, long_ce=0.0)
+    with torch.no_grad():
+        short, parts = training_loss(model, {"input_ids": ids}, config, teacher)
+        long, long_parts = training_loss(model, {"input_ids": ids, "long": True}, config, teacher)
+        plain, _ = training_loss(model, {"input_ids": ids, "long": True}, DistillConfig(ce=1.0, kl=1.0), teacher)
+    assert float(parts["ce"]) > 0 and float(parts["kl"]) > 0
+    assert float(short) == pytest.approx(float(parts["ce"] + parts["kl"]), rel=1e-6)
+    assert float(long) == pytest.approx(float(long_parts["kl"]), rel=1e-6)  # no CE on the long batch
+    assert float(plain) == pytest.approx(float(short), rel=1e-6)
+    assert config.ce_weight({"long": False}) == 1.0 and config.ce_weight({"long": True}) == 0.0
 
 
 # -- LoRA -----------------------------------------------------------------------------------
