@@ -453,10 +453,11 @@ class TextDataModule(L.LightningDataModule):
         }
 
     def _describe_long(self) -> dict[str, Any]:
-        if self.long_blocks() is None:
+        """The training mix's settings (the blocks are not read for this: profiling never needs them)."""
+        if self.long_source is None:
             return {}
         settings = {"source": self.long_source, "seq_len": self.long_seq_len, "every": self.long_every}
-        return {"long": {**settings, "batch_size": self.long_batch_size, "train_blocks": int(self.long_train.shape[0])}}
+        return {"long": {**settings, "batch_size": self.long_batch_size}}
 
 
 def train_split_blocks(source: str, tokenizer: str, seq_len: int, prefix: str) -> torch.Tensor:
