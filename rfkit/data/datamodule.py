@@ -379,7 +379,8 @@ class TextDataModule(L.LightningDataModule):
         and starting where a resumed checkpoint left off (:meth:`resume_at`). ``batch_size``:
         items per batch (default ``self.batch_size``; 1 when every item is a whole batch)."""
         replicas, rank = self._ranks()
-        return self._resumed(ResumableShuffle(dataset, self.seed, batch_size or self.batch_size, num_replicas=replicas, rank=rank))
+        order = ResumableShuffle(dataset, self.seed, batch_size or self.batch_size, num_replicas=replicas, rank=rank)
+        return self._resumed(order)
 
     def _ranks(self) -> tuple[int, int]:
         """(world size, global rank) of the trainer this module is attached to; (1, 0) alone."""

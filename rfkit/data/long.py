@@ -25,7 +25,8 @@ def interleaved_loader(data) -> DataLoader:
     resumed where a checkpoint left off."""
     dataset = _MixedBlocks(data.train, data.long_blocks())
     replicas, rank = data._ranks()
-    order = InterleavedBatches(dataset, data.seed, data.batch_size, data.long_batch_size, data.long_every, replicas, rank)
+    sizes = (data.batch_size, data.long_batch_size, data.long_every)
+    order = InterleavedBatches(dataset, data.seed, *sizes, num_replicas=replicas, rank=rank)
     return DataLoader(
         dataset,
         batch_size=None,  # every item the sampler yields is a whole batch

@@ -26,7 +26,8 @@ def tokenizer_dir():
 
 def _corpus(path, n: int, words: int):
     pick = random.Random(len(path.name))  # every document its own word sequence: no two blocks alike
-    rows = [{"title": f"Doc {i}", "text": " ".join(pick.choice(WORDS) for _ in range(words)) + f" {i}."} for i in range(n)]
+    texts = [" ".join(pick.choice(WORDS) for _ in range(words)) + f" {i}." for i in range(n)]
+    rows = [{"title": f"Doc {i}", "text": text} for i, text in enumerate(texts)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return str(path)
 
@@ -38,7 +39,8 @@ def sources(tmp_path):
 
 def _module(sources, tokenizer_dir, **extra):
     short, long = sources
-    kwargs = dict(source=short, tokenizer=tokenizer_dir, seq_len=8, split=(0.2, 0.2), batch_size=3, long_source=long, long_seq_len=64)
+    kwargs = dict(source=short, tokenizer=tokenizer_dir, seq_len=8, split=(0.2, 0.2), batch_size=3)
+    kwargs.update(long_source=long, long_seq_len=64)
     return TextDataModule(**{**kwargs, **extra})
 
 
@@ -120,7 +122,8 @@ def test_describe_records_the_long_source(sources, tokenizer_dir):
     described = dm.describe()["long"]  # what a head map's data section records
     assert described == {"source": sources[1], "seq_len": 64, "every": 3, "batch_size": 1}
     assert dm.long_train is None  # profiling and conversion never read the long blocks
-    assert "long" not in TextDataModule(source=sources[0], tokenizer=tokenizer_dir, seq_len=8, split=(0.2, 0.2)).describe()
+    plain = TextDataModule(source=sources[0], tokenizer=tokenizer_dir, seq_len=8, split=(0.2, 0.2))
+    assert "long" not in plain.describe()
 
 
 @pytest.mark.parametrize(
@@ -141,5 +144,6 @@ def test_bad_long_settings_name_the_field(extra, field):
 
 def test_a_long_source_without_blocks_that_long_names_long_seq_len(sources, tokenizer_dir):
     dm = _module(sources, tokenizer_dir, long_seq_len=100_000)
-    with pytest.raises(SourceError, match=r"^data\.long_seq_len: the train split of .* has no complete block of 100000 tokens"):
+    message = r"^data\.long_seq_len: the train split of .* has no complete block of 100000 tokens"
+    with pytest.raises(SourceError, match=message):
         dm.train_dataloader()
