@@ -91,7 +91,8 @@ def context_variants() -> str:
     variants = {
         "decay128": "hybrid, state decay (horizon 128), transfer on 512-token blocks",
         "decay128_long": "hybrid, state decay, transfer also on 2,048-token blocks",
-        "longmix": "the same, end-to-end training also on 2,048-token blocks (the default)",
+        "longmix": "the same, end-to-end training alternating Wikipedia batches and 2,048-token blocks",
+        "longmix_e2": "the same, one 2,048-token block after every 2 Wikipedia batches (the default)",
         "hybrid_mamba": "sink + window + a Mamba state (HybridMambaOperator), its recipe",
     }
     data = {v: load(f"{VARIANTS}/{v}/context.json") for v in variants}
