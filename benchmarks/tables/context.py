@@ -8,7 +8,8 @@ from __future__ import annotations
 from tables import load, table
 from tables.trained import LEVEL, SINK_RECENT, best, bold, short
 
-DEFAULT = "context_smollm2_b05_longmix/context.json"  # the default recipe's fit: state decay, long blocks in transfer and training
+# the default recipe's fit: state decay, long blocks in transfer and in end-to-end training
+DEFAULT = "context_smollm2_b05_longmix/context.json"
 DECAY = "context_smollm2_b05_decay/context.json"  # the same before long blocks in end-to-end training
 BETA_075 = "context_smollm2_b075_decay/context.json"
 HYBRID = "context_smollm2_b05/context.json"  # before the decay: the state summed every old token
@@ -91,8 +92,10 @@ def context_variants() -> str:
     variants = {
         "decay128": "hybrid, state decay (horizon 128), transfer on 512-token blocks",
         "decay128_long": "hybrid, state decay, transfer also on 2,048-token blocks",
-        "longmix": "the same, end-to-end training alternating Wikipedia batches and 2,048-token blocks",
-        "longmix_e2": "the same, one 2,048-token block after every 2 Wikipedia batches (the default)",
+        "transfer_long2": "the same, transfer on twice the long blocks (16, two a step)",
+        "longmix": "hybrid, decay + long transfer, end-to-end training also on a 2,048-token block "
+        "after every Wikipedia batch",
+        "longmix_e2": "the same with the long block after every 2 Wikipedia batches (the default)",
         "hybrid_mamba": "sink + window + a Mamba state (HybridMambaOperator), its recipe",
     }
     data = {v: load(f"{VARIANTS}/{v}/context.json") for v in variants}

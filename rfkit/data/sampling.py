@@ -89,8 +89,8 @@ class InterleavedBatches(ResumableShuffle):
 
     The short blocks keep :class:`ResumableShuffle`'s order for (seed, epoch), cut into batches
     of ``batch_size`` (an incomplete last batch is dropped); the long blocks follow their own
-    permutation per epoch (seed ``seed + 1``), sharded over ranks the same way and cycled when
-    an epoch needs more of them than there are. An epoch is one pass over the short blocks.
+    permutation per epoch (a generator seeded from ``seed`` and the epoch), sharded over ranks
+    the same way and cycled when an epoch needs more of them than there are. An epoch is one pass over the short blocks.
     Each element the sampler yields is a whole batch, ``("short" | "long", rows)``, so the
     loader runs with ``batch_size=None`` and :meth:`resume_at` counts those batches.
     """
