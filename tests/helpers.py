@@ -107,11 +107,12 @@ def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
 
 def _long_mix(recipe, corpus) -> list[str]:
     """The recipe's long blocks in training (``data.long_source``), from the tiny corpus at the
-    tiny model's scale; nothing for a recipe without them."""
+    tiny model's scale, one after every short batch so a 2-step fit takes one; nothing for a
+    recipe without them."""
     data = yaml.safe_load(Path(recipe).read_text()).get("data") or {}
     if not data.get("long_source"):
         return []
-    return ["--data.long_source", str(corpus), "--data.long_seq_len", "96"]
+    return ["--data.long_source", str(corpus), "--data.long_seq_len", "96", "--data.long_every", "1"]
 
 
 def packed(q, k, v):
