@@ -168,6 +168,12 @@ CASES = [
      ["data.text_field: field 'text' missing in no_text_field.jsonl line 1 (fields: body, title)"]),  # fmt: skip
     ("data-not-utf8", "fit", ["--data.source", "{in}/latin1.jsonl"], ["data.source: latin1.jsonl is not UTF-8 text"]),
     ("jsonl-with-blank-texts", "fit", ["--data.source", "{in}/blank_texts.jsonl"], ["data.source:", "contains no documents"]),
+    # long blocks in training (data.long_source)
+    ("long-data-missing", "fit", ["--data.long_source", "{in}/no_such.jsonl"], ["data.long_source: path", "does not exist"]),
+    ("long-data-empty", "fit", ["--data.long_source", "{in}/empty.jsonl"], ["data.long_source: file", "is empty (0 bytes)"]),
+    ("long-data-beyond-context", "fit", ["--data.long_seq_len", "512"],
+     ["data.long_seq_len: 512 tokens is beyond the context", "max_position_embeddings 256", "<= 256"]),  # fmt: skip
+    ("long-every-zero", "fit", ["--data.long_every", "0"], ["data.long_every: must be an integer >= 1, got 0"]),
     # outputs that cannot be written (root ignores permission bits: these are truly unwritable)
     ("root-dir-under-a-file", "fit", ["--trainer.default_root_dir", "{in}/a_file/run"],
      ["trainer.default_root_dir: cannot create", "a_file' is a file, not a directory"]),  # fmt: skip

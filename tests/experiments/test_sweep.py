@@ -61,7 +61,8 @@ def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, 
     extra = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
              "--trainer.enable_progress_bar", "false", "--model.lr_scheduler", "null",
              "--model.transfer.long_source", str(tiny_corpus), "--model.transfer.long_seq_len", "64",
-             "--model.transfer.long_samples", "2"]  # fmt: skip  (the recipe's long blocks at the tiny scale)
+             "--model.transfer.long_samples", "2", "--data.long_source", str(tiny_corpus), "--data.long_seq_len", "64",
+             ]  # fmt: skip  (the recipe's long blocks, in transfer and in training, at the tiny scale)
     code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus), *extra], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
