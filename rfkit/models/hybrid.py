@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfkit.models.precision import compute_dtype
 from rfkit.models.window import TILE, WindowAttention
 
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
@@ -116,14 +117,17 @@ class HybridWindowAttention(WindowAttention):
 
     # -- state ---------------------------------------------------------------------------------
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, ...]:
+        """The window's K/V in ``dtype``, the sums ``S`` and ``z`` in the compute dtype (float32
+        beside half-precision K/V: :mod:`rfkit.models.precision`)."""
         f, h, d = self.feature_dim, self.num_kv_heads, self.head_dim
+        sums = compute_dtype(dtype)
         return super().empty_state(batch, device, dtype) + (
-            torch.zeros(batch, h, f, d, device=device, dtype=dtype),
-            torch.zeros(batch, h, f, device=device, dtype=dtype),
+            torch.zeros(batch, h, f, d, device=device, dtype=sums),
+            torch.zeros(batch, h, f, device=device, dtype=sums),
         )
 
     def state_bytes(self, batch_size: int, dtype=torch.float32) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()  # the sums: float32 beside bf16 K/V
         linear = self.num_kv_heads * self.feature_dim * (self.head_dim + 1) * itemsize
         return super().state_bytes(batch_size, dtype) + int(batch_size) * linear
 
@@ -150,11 +154,24 @@ class HybridWindowAttention(WindowAttention):
             self._generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
         return self._generator
 
+    #: the window drawn for the current training batch (draw_for_batch), None: each forward draws
+    _batch_window: int | None = None
+
     def train_window(self) -> int:
+        """The window of a training forward: the batch's draw when one was made
+        (:meth:`draw_for_batch`: a recomputed forward sees the same), else a fresh draw."""
+        return self._batch_window if self._batch_window is not None else self._draw_window()
+
+    def draw_for_batch(self, active: bool = True) -> None:
+        """Draw the training window of the coming batch from the block's own stream (``active=False``:
+        back to one draw per forward)."""
+        self._batch_window = self._draw_window() if active else None
+
+    def _draw_window(self) -> int:
         if self.window_dropout <= 0 or self.window < 2:
             return self.window
-        generator = self.dropout_generator()
-        if float(torch.rand((), generator=generator)) >= self.window_dropout:
+        generator = self.dropout_generator()  # float32 explicitly: bf16-true sets a bf16 default dtype
+        if float(torch.rand((), generator=generator, dtype=torch.float32)) >= self.window_dropout:
             return self.window
         low = max(1, self.window // 4)
         return int(torch.randint(low, self.window + 1, (), generator=generator))
@@ -282,7 +299,7 @@ class HybridWindowAttention(WindowAttention):
         if self.log_horizon is not None:  # the state moves L steps: S0 decays by gamma^L, index t by gamma^(L-1-t)
             t = torch.arange(L, device=phi_k.device)
             phi_k = phi_k * self._powers(L - 1 - t, "kv", phi_k.dtype)[None, :, :, None]
-            gamma_L = self._powers(torch.tensor(float(L)), "kv", S0.dtype)  # (Hkv,)
+            gamma_L = self._powers(torch.tensor(float(L), dtype=S0.dtype), "kv", S0.dtype)  # (Hkv,)
             S0, z0 = S0 * gamma_L[None, :, None, None], z0 * gamma_L[None, :, None]
         S = S0 + phi_k.transpose(-1, -2) @ old_v
         z = z0 + phi_k.sum(2)
@@ -294,10 +311,11 @@ class HybridWindowAttention(WindowAttention):
         keys, values, seen, S, z = state
         if rows is None:  # steady state: every row evicts a real old token
             k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
-            phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
         else:
             k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
-            phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]
+        k_old, v_old = k_old.to(S.dtype), v_old.to(S.dtype)  # K/V may be half precision, the sums are not
+        phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
+        if rows is not None:
             phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
         if self.log_horizon is not None:  # every step ages the state by one token
             gamma = self._cached(("gamma", S.dtype, S.device), lambda: self.log_decay().exp().to(S.device, S.dtype))
@@ -406,7 +424,7 @@ class HybridWindowAttention(WindowAttention):
         padding. Returns the per-head log-scales and the share of softmax mass outside the window.
         """
         B, L, _ = x.shape
-        q, k, _ = self._split(x)
+        q, k, _ = self._split(x.to(compute_dtype(x.dtype)))
         pos = torch.arange(L, device=x.device)
         i, j = pos[:, None], pos[None, :]
         causal = j <= i

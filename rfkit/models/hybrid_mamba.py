@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rfkit.models.hybrid import HybridWindowAttention
+from rfkit.models.precision import compute_dtype
 from rfkit.models.window import TILE, WindowAttention
 from rfkit.ops.scan import _segsum
 
@@ -111,17 +112,22 @@ class HybridMambaAttention(WindowAttention):
 
     # window dropout and the state ablation are the hybrid's own (same attributes, same draws)
     dropout_generator = HybridWindowAttention.dropout_generator
+    _batch_window = HybridWindowAttention._batch_window
     train_window = HybridWindowAttention.train_window
+    draw_for_batch = HybridWindowAttention.draw_for_batch
+    _draw_window = HybridWindowAttention._draw_window
     has_state_ablation = True
     state_ablation = HybridWindowAttention.state_ablation
 
     # -- state ---------------------------------------------------------------------------------
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, ...]:
+        """The window's K/V in ``dtype``, ``h`` in the compute dtype (float32 beside half-precision
+        K/V: :mod:`rfkit.models.precision`)."""
         shape = (batch, self.num_kv_heads, self.state_dim, self.head_dim)
-        return super().empty_state(batch, device, dtype) + (torch.zeros(shape, device=device, dtype=dtype),)
+        return super().empty_state(batch, device, dtype) + (torch.zeros(shape, device=device, dtype=compute_dtype(dtype)),)
 
     def state_bytes(self, batch_size: int, dtype=torch.float32) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=compute_dtype(dtype)).element_size()  # h: float32 beside bf16 K/V
         ssm = self.num_kv_heads * self.state_dim * self.head_dim * itemsize
         return super().state_bytes(batch_size, dtype) + int(batch_size) * ssm
 
@@ -232,6 +238,7 @@ class HybridMambaAttention(WindowAttention):
             k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
         else:
             k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
+        k_old, v_old = k_old.to(h.dtype), v_old.to(h.dtype)  # K/V may be half precision, h is not
         dt, Bk = self._fold_inputs(k_old.unsqueeze(2))
         dt, Bk = dt[:, :, 0], Bk[:, :, 0]  # (B, Hkv), (B, Hkv, N)
         if rows is not None:
@@ -306,7 +313,7 @@ class HybridMambaAttention(WindowAttention):
         the gate and the share of the residual ``y_full - y_win`` that the state then explains.
         """
         B, L, _ = x.shape
-        q, k, v = self._split(x)
+        q, k, v = self._split(x.to(compute_dtype(x.dtype)))
         kept = []
         for h in range(self.num_kv_heads):
             keys = k[:, h].reshape(-1, self.head_dim).double()

@@ -81,3 +81,24 @@ class GroupView:
 
     def __getattr__(self, name):
         return getattr(self._layer, name)
+
+def _family(config) -> str:
+    """The base family of a config (a converted model's ``rf_base_model_type``)."""
+    return getattr(config, "rf_base_model_type", None) or config.model_type
+
+
+def projection_biases(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias) of the family's attention projections."""
+    if _family(config) == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+def sliding_window(config, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx``'s attention (None: full attention)."""
+    model_type, window = _family(config), getattr(config, "sliding_window", None)
+    if model_type == "qwen2":
+        types = getattr(config, "layer_types", None)
+        return window if types is not None and types[layer_idx] == "sliding_attention" else None
+    return window if model_type == "mistral" else None

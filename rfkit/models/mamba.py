@@ -96,7 +96,13 @@ class MambaBlock(ReplacementMixer):
         layer_idx: optional index of the layer (for caches).
         chunk_size: chunk length of the PyTorch scan (default :data:`rfkit.ops.scan.DEFAULT_CHUNK_SIZE`).
         device, dtype: factory arguments for the parameters.
+
+    Dtypes (:mod:`rfkit.models.precision`): the block takes activations of any dtype and returns its
+    output in theirs; its projections run in its weights' dtype, the scan in float32 (float64 for a
+    float64 block), and the SSM state is kept in that compute dtype whatever the weights' dtype.
     """
+
+    handles_dtype = True
 
     def __init__(
         self,
@@ -214,12 +220,14 @@ class MambaBlock(ReplacementMixer):
             _log_path_once(_MSG_FUSED)
         return fast
 
-    def _cpu_kernel(self, ref: torch.Tensor, inputs: torch.Tensor) -> bool:
-        """Whether the compiled CPU scan runs: CPU, float32/16 (not float64), no gradient needed,
+    def _cpu_kernel(self, ref: torch.Tensor, *needs: torch.Tensor) -> bool:
+        """Whether the compiled CPU scan runs: CPU, float32/16 (not float64), no gradient needed by
+        any of ``needs`` (the tensors the kernel reads: asked of the tensors themselves, since
+        under FSDP a block's weights are plain tensors during its forward, not parameters),
         use_fast_path != "never", and the kernel built (see :mod:`rfkit.ops.cpu_kernels`)."""
         if self.use_fast_path == "never" or ref.device.type != "cpu" or ref.dtype == torch.float64:
             return False
-        if torch.is_grad_enabled() and (inputs.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in needs):
             return False
         if not cpu_kernels.available():
             return False
@@ -239,26 +247,33 @@ class MambaBlock(ReplacementMixer):
         bias = self.conv1d.bias
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             return False
-        return self._cpu_kernel(ref, ref)
+        return self._cpu_kernel(ref, ref, bias, self.in_proj.weight, self.out_proj.weight, *tensors[2:])
 
     # ------------------------------------------------------------------ caches
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None):
         """Zero (conv_state (B, d_inner, d_conv), ssm_state (B, d_inner, d_state)).
 
-        dtype defaults to the conv weight's dtype for the conv state and the dt_proj weight's
-        dtype for the SSM state; device to the parameters' device.
+        The conv state (the last inputs) takes ``dtype``, default the conv weight's; the SSM state
+        (a running sum) takes the compute dtype of ``dtype`` or of the weights: float32, float64 for
+        float64. device defaults to the parameters' device.
         """
         device = self.conv1d.weight.device if device is None else device
         conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
-        ssm_dtype = self.dt_proj.weight.dtype if dtype is None else dtype
+        ssm_dtype = self._state_dtype() if dtype is None else compute_dtype(dtype)  # a sum: never half precision
         conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 
     def state_bytes(self, batch_size: int, dtype=torch.float32) -> int:
-        """Bytes of one (conv_state, ssm_state) pair for batch_size sequences stored in dtype."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return int(batch_size) * self.d_inner * (self.d_conv + self.d_state) * itemsize
+        """Bytes of one (conv_state, ssm_state) pair for batch_size sequences: the conv state in
+        ``dtype``, the SSM state in its compute dtype (float32 beside half precision)."""
+        conv = torch.empty((), dtype=dtype).element_size()
+        ssm = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+        return int(batch_size) * self.d_inner * (self.d_conv * conv + self.d_state * ssm)
+
+    def _state_dtype(self) -> torch.dtype:
+        """The SSM state's dtype: the scan's compute dtype for these weights."""
+        return compute_dtype(self.dt_proj.weight.dtype)
 
     # ------------------------------------------------------------------ forward
     def _conv_weight(self) -> torch.Tensor:
@@ -285,6 +300,8 @@ class MambaBlock(ReplacementMixer):
             if st is not None and tuple(st.shape) != (bsz, self.d_inner, last):
                 raise ValueError(f"{name} must be {(bsz, self.d_inner, last)}, got {tuple(st.shape)}")
         fast = self._fast(hidden_states)
+        out_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(self.in_proj.weight.dtype)  # activations of any dtype
 
         xz = self.in_proj(hidden_states).transpose(1, 2)  # (B, 2*d_inner, L)
         x, z = xz.chunk(2, dim=1)  # (B, d_inner, L) each
@@ -336,7 +353,7 @@ class MambaBlock(ReplacementMixer):
                 delta_softplus=False,
                 return_last_state=return_states,
             )
-        elif self._cpu_kernel(xc, hidden_states):
+        elif self._cpu_kernel(xc, xc, delta, A, Bm, Cm, D, z):
             y, last = selective_scan_cpu(xc, delta, A, Bm, Cm, D, z=z, initial_state=ssm_state)
             res = (y.to(xc.dtype), last) if return_states else y.to(xc.dtype)
         else:
@@ -355,10 +372,10 @@ class MambaBlock(ReplacementMixer):
             )
         if return_states:
             y, last = res
-            last = last.to(ssm_state.dtype if ssm_state is not None else self.dt_proj.weight.dtype)
+            last = last.to(self._state_dtype())  # float32 whatever the weights' dtype
         else:
             y = res
-        out = self.out_proj(y.to(hidden_states.dtype).transpose(1, 2))  # (B, L, d_out)
+        out = self.out_proj(y.to(hidden_states.dtype).transpose(1, 2)).to(out_dtype)  # (B, L, d_out)
         if return_states:
             return out, (new_conv_state, last)
         return out
@@ -382,11 +399,13 @@ class MambaBlock(ReplacementMixer):
         if tuple(ssm_state.shape) != (bsz, self.d_inner, self.d_state):
             raise ValueError(f"ssm_state must be {(bsz, self.d_inner, self.d_state)}, got {tuple(ssm_state.shape)}")
         fast = self._fast(hidden_states)
+        out_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(self.in_proj.weight.dtype)  # activations of any dtype
 
         xz = self.in_proj(hidden_states)  # (B, 2*d_inner)
         if not fast and self._cpu_step(hidden_states, conv_state, ssm_state):
             y = mamba_step_cpu(self, xz, conv_state, ssm_state)  # (B, d_inner); states updated in place
-            return self.out_proj(y.to(hidden_states.dtype))[:, None, :], conv_state, ssm_state
+            return self.out_proj(y.to(hidden_states.dtype))[:, None, :].to(out_dtype), conv_state, ssm_state
         x, z = xz.chunk(2, dim=-1)  # (B, d_inner) each
         weight = self._conv_weight()  # (d_inner, d_conv)
         cdt = compute_dtype(x.dtype)
@@ -421,5 +440,5 @@ class MambaBlock(ReplacementMixer):
             ssm_state.copy_(h)
             y = (h * Cm.to(cdt)[:, None, :]).sum(-1) + self.D.to(cdt) * xf  # (B, d_inner)
             y = (y * F.silu(z.to(cdt))).to(z.dtype)
-        out = self.out_proj(y.to(hidden_states.dtype))[:, None, :]  # (B, 1, d_out)
+        out = self.out_proj(y.to(hidden_states.dtype))[:, None, :].to(out_dtype)  # (B, 1, d_out)
         return out, conv_state, ssm_state

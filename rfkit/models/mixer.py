@@ -15,9 +15,21 @@ some operators have an answer to, and they ask through this interface, never by 
   context manager within which it runs without that state (same cache) and after which it is
   exactly as before. The default has none.
 
+* **training draws** (:meth:`ReplacementMixer.draw_for_batch`): before every training batch
+  ``rfkit fit`` asks each mixer to draw what its training forwards randomise (the hybrids' shortened
+  window) and to use that draw until the next one. A forward that activation checkpointing runs
+  again in backward then sees the window the first run saw (a private random stream is not
+  restored by the recompute). The default draws nothing.
+* **dtypes** (:attr:`ReplacementMixer.handles_dtype`): the converted layer hands a mixer the
+  model's activations (bf16 in the GPU recipes) while the mixer's weights are float32
+  (:mod:`rfkit.models.precision`). A mixer that sets ``handles_dtype = True`` takes them as they
+  are and returns its output in their dtype (the built-in mixers: they compute in float32 and keep
+  their window's K/V in the activations' dtype); otherwise the layer casts the input to the mixer's
+  weights' dtype and the output back.
+
 Subclass :class:`ReplacementMixer` to get the defaults. A plain ``nn.Module`` mixer (a plugin
 written before this interface) is treated as having the defaults: :func:`calibrate_mixer`,
-:func:`ablatable_mixers` and :func:`ablate_states` are how the pipeline asks.
+:func:`ablatable_mixers`, :func:`ablate_states` and :func:`draw_for_batch` are how the pipeline asks.
 """
 
 from __future__ import annotations
@@ -34,6 +46,13 @@ class ReplacementMixer(nn.Module):
 
     #: whether :meth:`state_ablation` switches a state off (evaluations add a "state off" row)
     has_state_ablation: bool = False
+    #: whether the mixer takes activations in the model's dtype itself (module docstring)
+    handles_dtype: bool = False
+
+    def draw_for_batch(self, active: bool = True) -> None:
+        """Draw the randomness of this mixer's training forwards for the coming training batch and
+        use it in every forward until the next call (``active=False``: stop, each training
+        forward draws its own again). The default draws nothing."""
 
     def calibrate(self, x: torch.Tensor) -> dict | None:
         """Set weights in closed form from ``x``, a batch of this mixer's inputs from the original
@@ -69,3 +88,12 @@ def ablate_states(model: nn.Module) -> Iterator[int]:
         for mixer in mixers:
             stack.enter_context(mixer.state_ablation())
         yield len(mixers)
+
+
+def draw_for_batch(model: nn.Module, active: bool = True) -> int:
+    """``draw_for_batch(active)`` on every mixer of ``model`` that has the hook (see the module
+    docstring); returns how many mixers were asked."""
+    hooks = [m.draw_for_batch for m in model.modules() if callable(getattr(m, "draw_for_batch", None))]
+    for hook in hooks:
+        hook(active)
+    return len(hooks)

@@ -47,8 +47,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
 
 from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_state_store
-from rfkit.models.layout import AttentionLayout, GroupView, group_runs
+from rfkit.models.layout import AttentionLayout, GroupView, group_runs, projection_biases, sliding_window
 from rfkit.models.operators import ReplacementOperator
+from rfkit.models.precision import default_dtype, new_weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +74,6 @@ def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | 
     return None if bool(chunk.all()) else chunk
 
 
-def _biases(config) -> tuple[bool, bool]:
-    """(q/k/v bias, o bias) of the family's attention projections."""
-    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
-    if model_type == "qwen2":
-        return True, False
-    bias = bool(getattr(config, "attention_bias", False))
-    return bias, bias
-
-
-def _sliding_window(config, layer_idx: int) -> int | None:
-    model_type = getattr(config, "rf_base_model_type", None) or config.model_type
-    window = getattr(config, "sliding_window", None)
-    if model_type == "qwen2":
-        types = getattr(config, "layer_types", None)
-        return window if types is not None and types[layer_idx] == "sliding_attention" else None
-    if model_type == "mistral":
-        return window
-    return None
-
-
 class RecurFormerAttention(nn.Module):
     """An attention layer whose ``replaced`` query heads run through one mixer block."""
 
@@ -104,7 +85,7 @@ class RecurFormerAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = getattr(config, "attention_dropout", 0.0)
         self.is_causal = True
-        self.sliding_window = _sliding_window(config, layer_idx)
+        self.sliding_window = sliding_window(config, layer_idx)
 
         replaced = sorted(set(replaced))
         kept = [h for h in range(layout.num_heads) if h not in replaced]
@@ -124,7 +105,7 @@ class RecurFormerAttention(nn.Module):
         # from_pretrained builds modules on the meta device and would leave them uninitialised.
         self._index_cache: dict = {}
 
-        qkv_bias, o_bias = _biases(config)
+        qkv_bias, o_bias = projection_biases(config)
         hd, hidden = layout.head_dim, layout.hidden_size
         self.q_proj = nn.Linear(hidden, len(kept) * hd, bias=qkv_bias) if kept else None
         self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
@@ -281,26 +262,41 @@ class RecurFormerAttention(nn.Module):
 
     def _mix(self, x, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the mixer on ``x``: a packed (B, L, d_in) tensor, or for ``qkv`` operators the
-        ``(q, k, v)`` triple that :meth:`_project` returns (the mixer's ``attend`` / ``step_qkv``
+        ``(q, k, v)`` triple that :meth:`_project` returns (the mixer's forward / ``step_qkv``
         take it as it is, with no packing and splitting between them). ``mask`` (B, L), 1 for
         real tokens, is given only when the chunk holds padding; it is then passed on as
         ``mixer(..., mask=mask)`` so pad tokens leave the state untouched (mixers without padding
         support are never sent a mask for unpadded input)."""
         extra = {} if mask is None else {"mask": mask}
         split = isinstance(x, tuple)
-        forward = self.mixer.attend if split else self.mixer
-        args = x if split else (x,)
+        dtype = (x[0] if split else x).dtype
+        cast = self._mixer_dtype(dtype)
+        if cast is not None:  # a mixer that takes its weights' dtype only (ReplacementMixer.handles_dtype)
+            x = tuple(t.to(cast) for t in x) if split else x.to(cast)
+        out = self._run_mixer(x, split, cache, extra)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def _mixer_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype to cast the mixer's input to (its weights'), None when it takes any (``handles_dtype``)."""
+        if getattr(self.mixer, "handles_dtype", False):
+            return None
+        weight = next((p for p in self.mixer.parameters() if p.is_floating_point()), None)
+        return None if weight is None or weight.dtype == dtype else weight.dtype
+
+    def _run_mixer(self, x, split: bool, cache, extra: dict) -> torch.Tensor:
+        # through the module's call (a qkv mixer takes the (q, k, v) tuple there): wrappers such as
+        # an FSDP unit, which gathers the mixer's weights, see every training and prefill forward
         if cache is None:
-            return forward(*args, **extra)
+            return self.mixer(x, **extra)
         store = mixer_state_store(cache)
         state = store.get(self.layer_idx)
         if state is None:
-            out, state = forward(*args, return_states=True, **extra)
-        elif args[0].shape[-2 if split else 1] == 1:
+            out, state = self.mixer(x, return_states=True, **extra)
+        elif (x[0].shape[-2] if split else x.shape[1]) == 1:
             # A decode step: one real token (padding only ever precedes a prompt).
-            out, *state = self.mixer.step_qkv(*args, *state) if split else self.mixer.step(x, *state)
+            out, *state = self.mixer.step_qkv(*x, *state) if split else self.mixer.step(x, *state)
         else:
-            out, state = forward(*args, *state, return_states=True, **extra)
+            out, state = self.mixer(x, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
         return out
 
@@ -322,8 +318,11 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
         if not heads:
             continue
         old = layers[layer_idx].self_attn
-        new = RecurFormerAttention(model.config, layer_idx, heads, operator)
-        new.to(dtype=old.v_proj.weight.dtype)
+        base = old.v_proj.weight.dtype
+        with default_dtype(torch.float32):  # new weights start in float32, whatever the caller's default
+            new = RecurFormerAttention(model.config, layer_idx, heads, operator)
+        for child in new.children():  # the pretrained projections in the base's dtype, the mixer in
+            child.to(dtype=new_weight_dtype(base) if child is new.mixer else base)  # float32 beside a half base
         new.load_from_attention(old)
         layers[layer_idx].self_attn = new
         originals[layer_idx] = old
@@ -378,6 +377,7 @@ class _RecurFormerCausalLM:
     """What every ``RecurFormer*ForCausalLM`` adds to its family's ``*ForCausalLM`` (listed
     before it in the bases): conversion at construction from ``config.rf_selected`` /
     ``config.rf_operator``, and the token mask handed down to the mixers."""
+    _keep_in_fp32_modules_strict = ["mixer"]  # float32 new weights in a bf16 / fp16 load (models.precision)
 
     def __init__(self, config):
         super().__init__(config)

@@ -22,7 +22,10 @@ RecurFormer's choice) is the replaced heads' KV-head values only; ``"qkv"`` is t
 queries, keys and values concatenated, ``(B, L, Hq*hd + 2*Hkv*hd)``, for operators that keep
 attending (:class:`SlidingWindowOperator`, :class:`SinkRecentOperator`). ``qkv`` operators are
 built with ``build(d_in, d_out, layer_idx, kv_for_query=..., head_dim=..., scaling=...)``, and
-the converted layer keeps the replaced heads' pretrained query and key projections for them.
+the converted layer keeps the replaced heads' pretrained query and key projections for them; it
+calls their mixer with the split triple instead of the packed tensor: ``mixer((q, k, v), *state,
+...)`` with queries ``(B, Hq, L, hd)`` and keys and values ``(B, Hkv, L, hd)``, rotated, and
+``mixer.step_qkv(q, k, v, *state)`` for a decode token.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from rfkit.models.mixer import ReplacementMixer
+from rfkit.models.precision import compute_dtype
 from rfkit.ops import cpu_kernels
 
 # Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
@@ -91,6 +92,9 @@ class WindowAttention(ReplacementMixer):
     #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 decoding on CPU; False
     #: keeps the PyTorch step, its twin
     use_kernel: bool = True
+    #: takes activations in the model's dtype: computes in float32 for half precision, keeps the
+    #: window's K/V in the activations' dtype (rfkit.models.precision)
+    handles_dtype = True
 
     def __init__(self, kv_for_query: list[int], head_dim: int, window: int, sink: int = 0, scaling: float | None = None):
         super().__init__()
@@ -166,13 +170,39 @@ class WindowAttention(ReplacementMixer):
         return y.reshape(B, self.num_heads, L, self.head_dim).transpose(1, 2).reshape(B, L, self.d_out)
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, *state, return_states: bool = False, mask: torch.Tensor | None = None):
-        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]."""
-        return self.attend(*self._split(x), *state, return_states=return_states, mask=mask)
+    def forward(self, x, *state, return_states: bool = False, mask: torch.Tensor | None = None):
+        """``x`` (B, L, d_in) -> (B, L, d_out) [, next state]; ``x`` may also be the split
+        ``(q, k, v)`` that :meth:`attend` takes (the converted layer passes them so, through the
+        module's call, so that wrappers such as an FSDP unit gather the weights first)."""
+        q, k, v = x if isinstance(x, tuple) else self._split(x)
+        return self.attend(q, k, v, *state, return_states=return_states, mask=mask)
 
     def attend(self, q, k, v, *state, return_states: bool = False, mask: torch.Tensor | None = None):
         """As :meth:`forward`, from the rotated queries (B, Hq, L, hd), keys and values
         (B, Hkv, L, hd) that the converted layer has already split by head."""
+        return self._in_compute_dtype(self._attend_paths, q, k, v, state, return_states, mask)
+
+    def _in_compute_dtype(self, fn, q, k, v, state, return_states: bool, *args):
+        """``fn(q, k, v, state, return_states, *args)`` computed in the compute dtype (float32 for
+        half-precision activations; :mod:`rfkit.models.precision`): the output comes back in the
+        activations' dtype and the window's K/V in the dtype they are kept in; the recurrent sums
+        stay in the compute dtype. For float32 and float64 activations it is ``fn`` itself."""
+        dtype = q.dtype
+        work = compute_dtype(dtype)
+        if dtype == work:
+            return fn(q, k, v, state, return_states, *args)
+        if not state:
+            state = self.empty_state(q.shape[0], q.device, k.dtype)
+        kv_dtype = state[0].dtype
+        up = tuple(t.to(work) if t.is_floating_point() else t for t in state)
+        out = fn(q.to(work), k.to(work), v.to(work), up, return_states, *args)
+        if not return_states:
+            return out.to(dtype)
+        y, new = out
+        return y.to(dtype), (new[0].to(kv_dtype), new[1].to(kv_dtype), *new[2:])
+
+    def _attend_paths(self, q, k, v, state, return_states: bool, mask: torch.Tensor | None):
+        """The path an inference or training call takes (module docstring), in one dtype."""
         if self.training or not self.fast:
             return self._general(q, k, v, state, mask, self.train_window() if self.training else self.window, return_states)
         if mask is not None:
@@ -332,7 +362,8 @@ class WindowAttention(ReplacementMixer):
     def step_qkv(self, q, k, v, *state):
         """As :meth:`step`, from the token's rotated query, key and value split by head."""
         if not self.fast or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            out, new = self._general(q, k, v, state, None, self.window, True)  # keep autograd intact
+            general = lambda q, k, v, state, _, mask: self._general(q, k, v, state, mask, self.window, True)  # noqa: E731
+            out, new = self._in_compute_dtype(general, q, k, v, state, True, None)  # keep autograd intact
             return (out, *new)
         B = q.shape[0]
         if self._kernel_ready(q, state):
@@ -340,6 +371,8 @@ class WindowAttention(ReplacementMixer):
             one = (t.reshape(B, -1, hd).contiguous() for t in (q, k, v))
             y = cpu_kernels.window_step_cpu(self, *one, state)
             return (y.view(B, 1, self.d_out), *state)
+        dtype, work = q.dtype, compute_dtype(q.dtype)  # half-precision activations: computed in float32
+        q, k, v = (t if t.dtype == work else t.to(work) for t in (q, k, v))
         keys, values, seen = state[0], state[1], state[2]
         s, w = self.sink, self.window
         steady = None
@@ -350,18 +383,19 @@ class WindowAttention(ReplacementMixer):
         if steady is not None:
             slot = s + steady % w
             self._before_write(state, slot, None)
-            keys[:, :, slot] = k[:, :, 0]
-            values[:, :, slot] = v[:, :, 0]
+            keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
+            values[:, :, slot] = v[:, :, 0].to(values.dtype)
             allowed = None
         else:
             rows = torch.arange(B, device=q.device)
             ring_slot = s + torch.remainder(seen, w)
             self._before_write(state, ring_slot, rows)
             slot = torch.where(seen < s, seen, ring_slot)
-            keys[rows, :, slot] = k[:, :, 0]
-            values[rows, :, slot] = v[:, :, 0]
+            keys[rows, :, slot] = k[:, :, 0].to(keys.dtype)
+            values[rows, :, slot] = v[:, :, 0].to(values.dtype)
             allowed = self.slot_ranks(seen + 1) >= 0  # (B, s + w)
         qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
+        keys, values = (t if t.dtype == work else t.to(work) for t in (keys, values))  # the window: s + w tokens
         scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
         if allowed is not None:
             scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
@@ -371,7 +405,7 @@ class WindowAttention(ReplacementMixer):
         Z = p.sum(-1, keepdim=True)
         y = self._step_combine(A, Z, m, qg, state)
         seen.add_(1)
-        return (y.reshape(B, 1, self.d_out), *state)
+        return (y.reshape(B, 1, self.d_out).to(dtype), *state)
 
     def _kernel_ready(self, q: torch.Tensor, state) -> bool:
         """The compiled step applies: float32 inference on CPU, contiguous state, kernel built."""

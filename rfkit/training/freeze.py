@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rfkit.conversion.policies import PolicyError
+from rfkit.models.precision import is_lora_weight, is_mixer_weight
 
 if TYPE_CHECKING:
     from rfkit.models.operators import ReplacementOperator
@@ -33,14 +34,6 @@ def no_weights_message(operator, freeze) -> str:
     )
 
 
-def _is_new(name: str) -> bool:
-    return ".mixer." in name
-
-
-def _is_lora(name: str) -> bool:
-    return ".lora_" in name
-
-
 _WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
@@ -54,11 +47,11 @@ def trains(name: str, freeze: str | list[str]) -> bool:
     if freeze == "all":
         return False
     if freeze == "pretrained":
-        return _is_new(name) or _is_lora(name)
+        return is_mixer_weight(name) or is_lora_weight(name)
     if freeze == "mixers":
-        return _is_new(name)
+        return is_mixer_weight(name)
     if freeze == "lora":
-        return _is_lora(name)
+        return is_lora_weight(name)
     return not any(fnmatch.fnmatch(name, pattern) for pattern in freeze)
 
 
@@ -68,7 +61,7 @@ def trainable_names(model, freeze: str | list[str]) -> set[str]:
 
 def trains_shared(model, freeze: str | list[str]) -> bool:
     """Whether ``freeze`` trains a pretrained weight that the shared teacher also uses."""
-    return any(not (_is_new(n) or _is_lora(n)) for n in trainable_names(model, freeze))
+    return any(not (is_mixer_weight(n) or is_lora_weight(n)) for n in trainable_names(model, freeze))
 
 
 def apply_freeze(model, freeze: str | list[str]) -> None:

@@ -366,8 +366,9 @@ def test_cache_allocation_and_state_bytes():
     assert not conv.any() and not ssm.any()
     assert blk.state_bytes(5, torch.float32) == conv.nbytes + ssm.nbytes == 5 * 32 * 11 * 4
     conv16, ssm16 = blk.allocate_inference_cache(5, dtype=torch.bfloat16)
-    assert conv16.dtype == ssm16.dtype == torch.bfloat16
-    assert blk.state_bytes(5, torch.bfloat16) == conv16.nbytes + ssm16.nbytes
+    assert conv16.dtype == torch.bfloat16 and ssm16.dtype == torch.float32  # the SSM state is a sum: float32
+    assert blk.state_bytes(5, torch.bfloat16) == conv16.nbytes + ssm16.nbytes == 5 * 32 * (3 * 2 + 8 * 4)
+    assert blk.bfloat16().allocate_inference_cache(5)[1].dtype == torch.float32  # bf16 weights too
 
 
 def test_bf16_block_runs_and_stays_close_to_float32():
