@@ -165,11 +165,15 @@ def capture(
     ``(N, L, d_in)`` (what the block reads, computed from the original layer's hidden states by
     ``RecurFormerAttention.mixer_input``: the mixer KV heads' values, for ``qkv`` operators with
     the rotated queries and keys before them) and target ``(N, L, d_out)`` (the replaced heads'
-    attention outputs before ``W_O``, in the block's output order), on the CPU in float32.
+    attention outputs before ``W_O``, in the block's output order), on the CPU in the model's
+    dtype (what the original computed: bf16 for a bf16 model, nothing is lost by keeping it so).
+    With CUDA present the buffers are pinned, so the per-step uploads copy straight from them.
 
-    Memory: all of it stays in host memory, ``4 * (d_in + d_out)`` bytes per token per converted
-    layer, so it grows with ``N * L``: at 512 floats per token, 32 blocks of 512 tokens hold
-    32 MiB per layer, and so do 8 long blocks of 2,048 tokens (``long_samples * long_seq_len``).
+    Memory: all of it stays in host memory, written into buffers allocated once (no
+    concatenation copy): ``itemsize * (d_in + d_out)`` bytes per token per converted layer, so it
+    grows with ``N * L``: at 512 numbers per token in float32, 32 blocks of 512 tokens hold 32 MiB
+    per layer, and so do 8 long blocks of 2,048 tokens (``long_samples * long_seq_len``); bf16
+    halves that. :func:`captured_bytes` adds it up.
     """
     from tqdm.auto import tqdm
 
@@ -177,7 +181,16 @@ def capture(
 
     teacher = SharedTeacher(model)
     layers = model.get_decoder().layers
-    store: dict[int, tuple[list, list]] = {i: ([], []) for i in teacher.originals}
+    n = len(blocks)
+    pin = torch.cuda.is_available()  # page-locked host memory: uploads without a staging copy
+    store: dict[int, list] = {i: [None, None] for i in teacher.originals}
+    offset = [0]
+
+    def put(i: int, slot: int, x: torch.Tensor) -> None:
+        if store[i][slot] is None:
+            store[i][slot] = torch.empty((n, *x.shape[1:]), dtype=x.dtype, pin_memory=pin)
+        store[i][slot][offset[0] : offset[0] + x.shape[0]].copy_(x)
+
     hooks = []
     for i, original in teacher.originals.items():
         new = layers[i].self_attn
@@ -186,25 +199,45 @@ def capture(
 
         def on_input(_mod, args, kwargs, i=i, new=new):
             hidden = args[0] if args else kwargs["hidden_states"]
-            x = new.mixer_input(hidden, kwargs.get("position_embeddings"))
-            store[i][0].append(x.float().cpu())
+            put(i, 0, new.mixer_input(hidden, kwargs.get("position_embeddings")))
 
         def on_attention(_mod, args, i=i, heads=heads, hd=hd):
             x = args[0]
             b, length, _ = x.shape
-            store[i][1].append(x.view(b, length, -1, hd)[:, :, heads].reshape(b, length, -1).float().cpu())
+            put(i, 1, x.view(b, length, -1, hd)[:, :, heads.to(x.device)].reshape(b, length, -1))
 
         hooks.append(original.register_forward_pre_hook(on_input, with_kwargs=True))
         hooks.append(original.o_proj.register_forward_pre_hook(on_attention))
     device = next(model.parameters()).device
     try:
-        for start in tqdm(range(0, len(blocks), batch_size), desc=desc, unit="batch", disable=not progress):
+        for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", disable=not progress):
+            offset[0] = start
             ids = blocks[start : start + batch_size].to(device)
             teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         for h in hooks:
             h.remove()
-    return {i: (torch.cat(v), torch.cat(t)) for i, (v, t) in store.items()}
+    return {i: (v, t) for i, (v, t) in store.items()}
+
+
+def captured_bytes(data) -> int:
+    """Host bytes held by captured pairs (:func:`capture`'s result; 0 for None)."""
+    return sum(t.numel() * t.element_size() for pair in (data or {}).values() for t in pair)
+
+
+def _device_of(mixer: nn.Module) -> torch.device:
+    return next((p.device for p in mixer.parameters()), torch.device("cpu"))
+
+
+def _rows(src: torch.Tensor, rows: torch.Tensor, span: slice, device: torch.device) -> torch.Tensor:
+    """``src[rows, span]`` on ``device``, copied once: gathered into page-locked memory when
+    ``src`` is pinned and then uploaded without blocking, indexed in place on the CPU."""
+    view = src[:, span]
+    if device.type == "cpu" or not src.is_pinned():
+        return view[rows].to(device)
+    staging = torch.empty((len(rows), *view.shape[1:]), dtype=src.dtype, pin_memory=True)
+    torch.index_select(view, 0, rows, out=staging)
+    return staging.to(device, non_blocking=True)
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -215,14 +248,15 @@ def evaluate(mixers: dict[int, nn.Module], data, batch_size: int = 4) -> dict[in
     out = {}
     for i, mixer in mixers.items():
         values, target = data[i]
-        device = next(mixer.parameters()).device
+        device = _device_of(mixer)
         was_training = mixer.training
         mixer.eval()
         err, power = 0.0, 0.0
         for s in range(0, len(values), batch_size):
-            pred = mixer(values[s : s + batch_size].to(device)).float().cpu()
-            err += float((pred - target[s : s + batch_size]).pow(2).sum())
-            power += float(target[s : s + batch_size].pow(2).sum())
+            pred = mixer(values[s : s + batch_size].to(device)).float()
+            want = target[s : s + batch_size].to(device).float()
+            err += float((pred - want).pow(2).sum())
+            power += float(want.pow(2).sum())
         mixer.train(was_training)
         out[i] = err / max(power, 1e-12)
     return out
@@ -242,7 +276,7 @@ def _features(mixer, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, ridge: float, batch_size: int = 4) -> None:
     """Set ``mixer.out_proj`` to the ridge least-squares map from its features to ``target``."""
-    device = next(mixer.parameters()).device
+    device = _device_of(mixer)
     width = mixer.out_proj.in_features
     gram = torch.zeros(width, width, dtype=torch.float64)
     cross = torch.zeros(width, target.shape[-1], dtype=torch.float64)
@@ -286,13 +320,15 @@ def train_blocks(
     generator = torch.Generator().manual_seed(seed)
     n, length = next(iter(data.values()))[0].shape[:2]
     window = length if config.seq_len is None else min(config.seq_len, length)
+    devices = {i: _device_of(m) for i, m in mixers.items()}
     proj = {i: (projections or {}).get(i) for i in mixers}
+    proj = {i: None if p is None else p.to(devices[i], torch.float32) for i, p in proj.items()}  # uploaded once
 
     def mapped(i, x):
-        return x if proj[i] is None else x @ proj[i].to(x.device)
+        return x if proj[i] is None else x @ proj[i]
 
     def power_of(pairs):
-        return {i: mapped(i, pairs[i][1][:8]).pow(2).mean().clamp_min(1e-12) for i in mixers}
+        return {i: mapped(i, pairs[i][1][:8].to(devices[i]).float()).pow(2).mean().clamp_min(1e-12) for i in mixers}
 
     power = power_of(data)
     long_power = power_of(long_data) if long_data is not None else None
@@ -311,11 +347,11 @@ def train_blocks(
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for i, mixer in mixers.items():
-                device = next(mixer.parameters()).device
+                device = devices[i]
                 for pairs, norm, picked, span in batches:  # one backward each: one graph held at a time
-                    values = pairs[i][0][picked, span].to(device)
-                    target = pairs[i][1][picked, span].to(device)
-                    loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / norm[i].to(device)
+                    values = _rows(pairs[i][0], picked, span, device)  # each uploaded once per step
+                    target = _rows(pairs[i][1], picked, span, device).float()
+                    loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / norm[i]
                     (loss / len(batches)).backward()
                     total += float(loss.detach()) / len(batches)
             optimizer.step()
@@ -365,8 +401,7 @@ def transfer(
     for i, mixer in mixers.items():
         # the mixer's own calibration hook (the hybrid scales its state's weights and opens its
         # gate); a mixer that calibrates nothing gets the least-squares read-out instead
-        device = next((p.device for p in mixer.parameters()), torch.device("cpu"))
-        calibrated = calibrate_mixer(mixer, data[i][0][: config.batch_size].to(device))
+        calibrated = calibrate_mixer(mixer, data[i][0][: config.batch_size].to(_device_of(mixer)))
         if calibrated is not None:
             calibration[str(i)] = calibrated
         elif config.readout == "lstsq" and hasattr(mixer, "out_proj"):
@@ -375,9 +410,7 @@ def transfer(
     deadline = None if config.time_limit is None else started + config.time_limit
     projections = None
     if config.space == "output":  # W_O's columns of the replaced heads: the last d_out ones
-        projections = {
-            i: layers[i].self_attn.o_proj.weight[:, -data[i][1].shape[-1] :].detach().float().T.cpu() for i in mixers
-        }
+        projections = {i: layers[i].self_attn.o_proj.weight[:, -data[i][1].shape[-1] :].detach().float().T for i in mixers}
     losses = train_blocks(
         mixers, data, config, progress=progress, deadline=deadline, projections=projections, long_data=long_data
     )
@@ -418,6 +451,7 @@ def transfer(
         "steps_run": len(losses),
         "samples": int(len(blocks)),
         "tokens_captured": int(blocks.numel()),
+        "captured_bytes": captured_bytes(data) + captured_bytes(long_data),
         **long_report,
         "seconds": round(time.time() - started, 1),
     }

@@ -22,7 +22,7 @@ from rfkit.training.transfer import TransferConfig, TransferError, load_long_blo
 SELECTED = [[0, 1], [2, 3]]  # GQA 4/2: one whole KV group per layer
 SHORT_KEYS = {
     "config", "layers", "mse_before", "mse_after_readout", "mse_after", "mean_mse_before", "mean_mse_after",
-    "kept_start", "losses", "steps_run", "samples", "tokens_captured", "seconds",
+    "kept_start", "losses", "steps_run", "samples", "tokens_captured", "captured_bytes", "seconds",
 }  # fmt: skip
 LONG_KEYS = {
     "mse_before_long", "mse_after_readout_long", "mse_after_long", "mean_mse_before_long", "mean_mse_after_long",
