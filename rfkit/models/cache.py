@@ -2,8 +2,10 @@
 
 Kept heads use the ordinary transformers cache (any ``Cache``: the ``DynamicCache`` that
 ``generate`` creates, or one the user passes in); each converted layer stores only its kept
-KV heads there. The mixers' states (Mamba conv and SSM state) sit in a dict on the same cache
-object, keyed by ``layer_idx``, so they travel with it.
+KV heads there. The mixers' states (Mamba conv and SSM state, the window's sink + recent K/V,
+the hybrids' sums) sit in a dict on the same cache object, keyed by ``layer_idx``, so they travel
+with it, and the cache's batch operations move them row for row (:class:`MixerStatesCache`:
+beam search reorders them with the K/V).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import inspect
 import torch
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
+
+from rfkit.errors import RFKitError
 
 _STATE_ATTR = "rfkit_mixer_states"
 #: the name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
@@ -33,12 +37,83 @@ def cache_kwargs(cache) -> dict:
 
 
 def mixer_state_store(cache) -> dict:
-    """The per-layer mixer states held by ``cache`` (created on first use)."""
+    """The per-layer mixer states held by ``cache`` (created on first use, when the cache also
+    learns to move them: :class:`MixerStatesCache`)."""
     store = getattr(cache, _STATE_ATTR, None)
     if store is None:
         store = {}
         setattr(cache, _STATE_ATTR, store)
+        cache.__class__ = _tracking_class(type(cache))
     return store
+
+
+class CacheCropError(RFKitError):
+    """A converted model's cache was asked to give tokens back; one line for the user."""
+
+
+CROP_MESSAGE = (
+    "the cache of an rfkit-converted model cannot be cropped: its replaced heads hold a recurrent or "
+    "sink + window state that cannot give tokens back. Assisted, speculative and prompt-lookup decoding "
+    "need that; greedy, sampling and beam search do not"
+)
+
+
+class MixerStatesCache:
+    """What a cache that holds mixer states adds to its own class (``DynamicCache``, ``StaticCache``,
+    a cache the user passed in): the batch operations of transformers' Cache API move the states
+    with the K/V, row for row, so beam search continues every beam from its own state.
+
+    - ``reorder_cache(beam_idx)`` (beam search), ``batch_select_indices(indices)`` and
+      ``batch_repeat_interleave(repeats)`` apply the same row operation to every state tensor;
+    - ``crop`` of any token raises :class:`CacheCropError` (a recurrent state cannot give tokens
+      back), and ``is_croppable`` is False once a state exists, so ``generate`` refuses assisted
+      decoding with its own message before it would crop;
+    - ``reset()`` drops the states with the K/V.
+
+    :func:`mixer_state_store` mixes it into the cache's class when the first state is stored.
+    """
+
+    def _rows(self, op) -> None:
+        store = getattr(self, _STATE_ATTR, None) or {}
+        for layer, states in store.items():
+            store[layer] = tuple(op(t) for t in states)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self._rows(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0 and getattr(self, _STATE_ATTR, None):
+            raise CacheCropError(CROP_MESSAGE)
+        super().crop(tokens_to_remove)
+
+    def reset(self):
+        super().reset()
+        getattr(self, _STATE_ATTR, {}).clear()
+
+    @property
+    def is_croppable(self) -> bool:
+        return not getattr(self, _STATE_ATTR, None) and super().is_croppable
+
+
+_TRACKING: dict[type, type] = {}
+
+
+def _tracking_class(cls: type) -> type:
+    """``cls`` with :class:`MixerStatesCache` mixed in (made once per cache class)."""
+    if issubclass(cls, MixerStatesCache):
+        return cls
+    if cls not in _TRACKING:
+        _TRACKING[cls] = type(cls.__name__, (MixerStatesCache, cls), {"__module__": __name__, "__qualname__": cls.__qualname__})
+    return _TRACKING[cls]
 
 
 def _tensor_bytes(t) -> int:
