@@ -26,6 +26,8 @@ from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyR
 from rfkit.hub import SourceError
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.lora import LoraSettings
+from rfkit.models.mixer import draw_for_batch
+from rfkit.models.precision import keep_new_weights_float32
 from rfkit.models.operators import MambaOperator, ReplacementOperator
 from rfkit.models.source import check_model_source
 from rfkit.training.distill import DistillConfig, training_loss
@@ -42,6 +44,7 @@ from rfkit.training.freeze import (
     trains_shared,
 )
 from rfkit.training.losses import summed_nll
+from rfkit.training.precision import prepare_fsdp, restore_frozen_parameters
 from rfkit.training.progress import Phases
 from rfkit.training.transfer import TransferConfig
 
@@ -156,6 +159,7 @@ class RecurFormerModule(L.LightningModule):
         self._epoch_batches = 0  # training batches done in the current epoch (saved as the data position)
         self._saved_step: int | None = None  # global step of the last checkpoint this run wrote
         self._hold_by_grad = False  # freeze stages by dropping gradients (DDP/FSDP; see _improve)
+        self._sharded = False  # FSDP wraps the model (see _improve)
 
     # -- conversion ---------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -178,17 +182,23 @@ class RecurFormerModule(L.LightningModule):
             return
         self.prepare(datamodule, callbacks=self.trainer.callbacks if self._trainer is not None else [])
 
-    def _load_base(self):
-        """The base model; under FSDP moved to this rank's device for conversion (FSDP shards a
-        module that is already there), where single-device and DDP runs get it from Lightning."""
+    def _load_base(self, device=None):
+        """The base model on the device where profiling, conversion and transfer run: ``device`` when
+        given (``rfkit convert --device``, the evaluations), else the trainer's (this rank's GPU under
+        DDP and FSDP, which shards a module already there), else the CPU; recorded in the summary."""
         model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        if strategy is not None:
-            from lightning.pytorch.strategies import FSDPStrategy
-
-            if isinstance(strategy, FSDPStrategy):
-                model.to(strategy.root_device)
+        model.to(device if device is not None else self.trainer.strategy.root_device if self._trainer is not None else "cpu")
+        self.run_metrics["device"] = str(next(model.parameters()).device)
         return model
+
+    def _apply(self, fn, *args, **kwargs):
+        """Every cast of the module (Lightning's ``bf16-true`` casts it with ``.to(torch.bfloat16)``)
+        leaves the new weights in float32 (:mod:`rfkit.training.precision`)."""
+        out = super()._apply(fn, *args, **kwargs)
+        model = self._modules.get("model")
+        if model is not None:
+            keep_new_weights_float32(model)
+        return out
 
     def prepare_from_checkpoint(self, path: str, datamodule=None, meta: dict | None = None) -> None:
         """Rebuild the converted model that checkpoint ``path`` was saved from: load the base
@@ -279,11 +289,12 @@ class RecurFormerModule(L.LightningModule):
         if position and hasattr(datamodule, "resume_at"):
             datamodule.resume_at(position["epoch"], position["batches"])
 
-    def prepare(self, datamodule=None, callbacks=()) -> None:
-        """Load, profile, select and replace. Callbacks with ``on_before_convert`` /
-        ``on_after_convert`` see the original and the converted model."""
+    def prepare(self, datamodule=None, callbacks=(), device=None) -> None:
+        """Load, profile, select and replace, on ``device`` (default: the trainer's, else the CPU).
+        Callbacks with ``on_before_convert`` / ``on_after_convert`` see the original and the
+        converted model."""
         with self.phases("load", self.base_model):
-            model = self._load_base()
+            model = self._load_base(device)
         policy = self.policy
         if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
             from rfkit.conversion.policies import FromHeadMap
@@ -341,13 +352,17 @@ class RecurFormerModule(L.LightningModule):
             from rfkit.models.lora import apply_lora
 
             self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
+        keep_new_weights_float32(self.model)  # mixers and adapters: float32 beside a bf16 base
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # Under DDP / FSDP a freeze schedule cannot switch requires_grad after wrapping (the
-        # wrapper would never all-reduce the newly unfrozen gradients, and ranks would drift):
-        # every stage's parameters keep requires_grad, and each step drops the gradients of those
-        # its stage holds (on_before_optimizer_step), which leaves them untouched by the optimizer.
-        self._hold_by_grad = bool(self.freeze_schedule) and self._trainer is not None and self.trainer.world_size > 1
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        sharded = self._sharded = prepare_fsdp(strategy, self.model) > 0  # under FSDP: the new weights' own units
+        # Once a wrapper owns the parameters (DDP over several processes, FSDP on any number) a freeze
+        # schedule cannot switch requires_grad: DDP would not all-reduce newly unfrozen gradients, FSDP
+        # fixes a unit's requires_grad when it flattens it. Every stage's parameters keep requires_grad
+        # and each step drops the gradients of those its stage holds (on_before_optimizer_step).
+        wrapped = sharded or (self._trainer is not None and self.trainer.world_size > 1)
+        self._hold_by_grad = bool(self.freeze_schedule) and wrapped
         if self._hold_by_grad:
             names = set().union(*(trainable_names(self.model, st.freeze) for st in self.freeze_schedule))
             for name, param in self.model.named_parameters():
@@ -385,11 +400,14 @@ class RecurFormerModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def on_after_backward(self) -> None:
+        if self._sharded:
+            restore_frozen_parameters(self.trainer.strategy.model)  # an FSDP flaw (rfkit.training.precision)
+
     def on_before_optimizer_step(self, optimizer) -> None:
         """Stop before an optimizer step with non-finite gradients would spoil the weights (and
-        the next checkpoint). fp16 AMP skips such steps itself, so it is left to its scaler.
-        Under DDP with a freeze schedule, first drops the gradients of the parameters the
-        current stage holds (see ``_improve``)."""
+        the next checkpoint). fp16 AMP skips such steps itself, so it is left to its scaler. Under
+        DDP / FSDP with a freeze schedule, first drops the gradients the current stage holds (``_improve``)."""
         if self._hold_by_grad:
             freeze = self.freeze_schedule[self._stage].freeze
             for name, param in self.model.named_parameters():
@@ -428,12 +446,14 @@ class RecurFormerModule(L.LightningModule):
         self.phases.start("train")
 
     def on_train_end(self) -> None:
+        draw_for_batch(self.model, active=False)
         self.phases.end("train", f"{self.global_step} steps")
 
     def on_train_epoch_start(self) -> None:
         self._epoch_batches = 0
 
     def on_train_batch_start(self, batch, batch_idx):
+        draw_for_batch(self.model)  # one window per batch: a layer recomputed in backward sees its forward's
         if not self.freeze_schedule:
             return
         stage = stage_at(self.freeze_schedule, self.global_step)

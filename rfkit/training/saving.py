@@ -43,6 +43,9 @@ def gathered_model(trainer, pl_module, root):
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from rfkit.training.precision import restore_frozen_parameters
+
+    restore_frozen_parameters(root)  # frozen units' parameters registered again (an FSDP flaw)
     on_gpu = trainer.strategy.root_device.type != "cpu"
     config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)
     with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
