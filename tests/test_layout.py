@@ -15,7 +15,7 @@ ALIASES = {"rfkit", "rfkit.policies", "rfkit.operators", "rfkit.__main__"}
 # each package may import only from the packages at its own or a lower rank
 RANK = {
     "rfkit.errors": 0, "rfkit.atomic": 0, "rfkit.provenance": 0, "rfkit.hub": 0, "rfkit.validate": 0, "rfkit.version": 0, "rfkit.plots": 0,
-    "rfkit.output": 0, "rfkit.classpath": 0,
+    "rfkit.output": 0, "rfkit.classpath": 0, "rfkit.devices": 0,
     "rfkit.ops": 1,
     "rfkit.models": 2,
     "rfkit.conversion": 3,

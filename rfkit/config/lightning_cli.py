@@ -64,18 +64,22 @@ class RFTrainer(Trainer):
             self.rf_ckpt_path = str(ckpt_path)
         return super()._run(model, ckpt_path=ckpt_path, weights_only=weights_only)
 
-    def profile(self, model, datamodule=None, output: str = "head_map.json", report: bool = True):
+    def profile(self, model, datamodule=None, output: str = "head_map.json", report: bool = True, device: str | None = None):
         """Profile the heads on calibration data, select with the policy, write the head map.
 
         Args:
             output: Where to write head_map.json (the resolved config goes beside it, as config.yaml).
             report: Also write the head pictures beside it: RA-I heatmap, mean attention maps
                 of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
+            device: Where the model runs: cpu, cuda or cuda:N (default: cuda when available).
         """
-        from rfkit.conversion.convert import build_head_map, load_base_model
         from rfkit.atomic import atomic_write_text
+        from rfkit.devices import torch_device
+        from rfkit.conversion.convert import build_head_map, load_base_model
 
-        base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code)
+        where = torch_device(device)
+        base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code).to(where)
+        print(f"profiling on {where}")
         head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
         head_map.save(output)
         print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
@@ -90,15 +94,19 @@ class RFTrainer(Trainer):
             print("head report: " + ", ".join(str(p) for p in paths.values()))
         return head_map
 
-    def convert(self, model, datamodule=None, output: str = "converted"):
+    def convert(self, model, datamodule=None, output: str = "converted", device: str | None = None):
         """Profile, select, replace and run the recipe's attention transfer (no end-to-end training);
         save the converted model in HF format.
 
         Args:
             output: Directory for the converted model (written atomically), with its model card
                 (README.md) and the resolved config (config.yaml).
+            device: Where profiling, conversion and transfer run: cpu, cuda or cuda:N (default:
+                cuda when available).
         """
-        model.prepare(datamodule, callbacks=self.callbacks)
+        from rfkit.devices import torch_device
+
+        model.prepare(datamodule, callbacks=self.callbacks, device=torch_device(device))
         tokenizer = getattr(datamodule, "tokenizer", None)
         # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
         # hooks filled in); the end-to-end numbers come with rfkit fit

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rfkit.devices import torch_device  # noqa: F401  (the commands import it from here)
 from rfkit.errors import RFKitError
 
 
@@ -57,11 +58,11 @@ def parse_recipe(spec: str, overrides: list[str] | None = None):
     return cli.model, cli.datamodule
 
 
-def converted_from_recipe(spec: str) -> tuple[torch.nn.Module, str, str, bool]:
-    """Parse a recipe and convert its base model (no training):
-    ``(model, base_model, dtype, trust_remote_code)``."""
+def converted_from_recipe(spec: str, device: torch.device | str | None = None) -> tuple[torch.nn.Module, str, str, bool]:
+    """Parse a recipe and convert its base model (no training), profiling and transfer included,
+    on ``device`` (default: the CPU): ``(model, base_model, dtype, trust_remote_code)``."""
     module, datamodule = parse_recipe(spec)
-    module.prepare(datamodule, callbacks=[])
+    module.prepare(datamodule, callbacks=[], device=device)
     return module.model, module.base_model, module.dtype_name, module.trust_remote_code
 
 
@@ -110,14 +111,6 @@ def check_lengths_fit(lengths: list[int], config, flag: str, extra: int = 0) -> 
                 f"{flag}: {length} tokens{more} is beyond what the model can take "
                 f"(max_position_embeddings {limit}); give lengths up to {limit - extra}"
             )
-
-
-def torch_device(name: str | None, flag: str = "--device") -> torch.device:
-    if name not in (None, "cpu", "cuda") and not str(name).startswith("cuda:"):
-        raise ModelSpecError(f"{flag}: '{name}' is not allowed; allowed: cpu, cuda, cuda:N")
-    if name and name.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelSpecError(f"{flag}: cuda was asked for but no CUDA device is available")
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def check_output_file(path: str | None, flag: str = "--json") -> None:
@@ -186,7 +179,7 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
             model = load_base_model(base, module.dtype_name, module.trust_remote_code)
             converted = False
         else:
-            module.prepare(datamodule, callbacks=[])
+            module.prepare(datamodule, callbacks=[], device=device)  # profiled and converted on the device
             model, converted = module.model, True
             notes.append("converted from the recipe without training")
         tokenizer = load_tokenizer(None, base)

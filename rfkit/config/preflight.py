@@ -178,7 +178,8 @@ def preflight(subcommand: str | None, config) -> None:
       mix's ``data.long_source`` (fit), each a known name with some text, its ``long_seq_len``
       within the model's context;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
-      (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint.
+      (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint;
+    * ``--device`` of profile and convert (cpu, cuda or cuda:N; CUDA present when asked for).
     """
     from rfkit.atomic import check_writable
     from rfkit.models.source import check_model_source
@@ -213,3 +214,6 @@ def preflight(subcommand: str | None, config) -> None:
         output = config.get("output")
         if output:
             check_writable(output, "--output", "file" if subcommand == "profile" else "directory")
+        from rfkit.devices import torch_device
+
+        torch_device(config.get("device"))  # cpu, cuda or cuda:N, and CUDA there when asked for

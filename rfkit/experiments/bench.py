@@ -112,7 +112,7 @@ def load_pair(spec: str, device: torch.device) -> ModelPair:
         dtype = DTYPE_NAMES[converted.dtype]
         base, trust = head_map.model, False
     else:
-        converted, base, dtype, trust = converted_from_recipe(spec)
+        converted, base, dtype, trust = converted_from_recipe(spec, device)
         notes.append("converted from the recipe without training (weights change neither cache size nor speed)")
     original = load_base_model(base, dtype, trust)
     for model in (original, converted):

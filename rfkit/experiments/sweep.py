@@ -264,7 +264,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    base = load_base_model(module.base_model, module.dtype_name, module.trust_remote_code)
+    base = load_base_model(module.base_model, module.dtype_name, module.trust_remote_code).to(device)  # profiled there too
     layout = AttentionLayout.from_config(base.config)
     datamodule.setup("fit")
     profiles, by_settings = {}, {}  # one profile per distinct setting, even with reuse_profile: false
