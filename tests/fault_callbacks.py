@@ -67,3 +67,25 @@ class ParamDigest(L.Callback):
             if ".mixer." in name or ".lora_" in name
         }
         Path(f"{self.prefix}.rank{trainer.global_rank}.json").write_text(json.dumps(digest))
+
+
+class LoraSteps(L.Callback):
+    """After every optimizer step, record to ``path`` (a JSON list, rewritten) the step, the summed
+    absolute LoRA B weights (0 until the adapters train: B starts at 0) and the dtypes of the new
+    weights, mixers and adapters, as the optimizer sees them."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == (self.steps[-1]["step"] if self.steps else 0):
+            return  # an accumulation batch: no optimizer step since the last record
+        named = list(pl_module.model.named_parameters())
+        self.steps.append({
+            "step": trainer.global_step,
+            "lora_B": float(sum(p.detach().double().abs().sum() for n, p in named if ".lora_B." in n)),
+            "mixer_dtypes": sorted({str(p.dtype) for n, p in named if ".mixer." in n}),
+            "lora_dtypes": sorted({str(p.dtype) for n, p in named if ".lora_" in n}),
+        })  # fmt: skip
+        Path(self.path).write_text(json.dumps(self.steps))

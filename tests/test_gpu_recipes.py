@@ -1,6 +1,8 @@
 """The hybrid variants of the GPU recipes: each parses as ``rfkit fit --config`` parses it, differs
 from the Mamba recipe it varies only in the operator and its training, and its operator, freeze
-setting, distillation and optimizer train a tiny model of the same family for one step."""
+setting, distillation and optimizer train a tiny model of the same family for one step, in float32
+and with the recipe's bf16 base. (Every recipe also runs whole through the CLI with its own
+settings: tests/test_recipe_dry_runs.py.)"""
 
 from __future__ import annotations
 
@@ -92,11 +94,11 @@ def _recipe_operator(config) -> HybridOperator:
 
 def _converted(name, config, dtype=torch.float32):
     """A tiny random model of the recipe's family (2 layers, width 64; MHA for Llama-2, GQA 4/2
-    for Qwen2), its recipe's beta of whole KV groups replaced with the recipe's operator, then
-    calibrated on captured inputs as attention transfer does (which opens the gates)."""
-    from rfkit.models.mixer import calibrate_mixer
+    for Qwen2) with weights in ``dtype`` (as ``model.dtype`` loads them), its recipe's beta of whole
+    KV groups replaced with the recipe's operator, then through attention transfer as the pipeline
+    runs it (capture, calibration, which opens the gates, and a few steps): no cast by hand."""
     from rfkit.models.modeling import to_recurformer
-    from rfkit.training.transfer import capture
+    from rfkit.training.transfer import TransferConfig, transfer
 
     _, family = VARIANTS[name]
     kv_heads = 4 if family == "llama" else 2  # Llama-2-7B is MHA, Qwen2 GQA
@@ -111,12 +113,12 @@ def _converted(name, config, dtype=torch.float32):
     selected = [[h for (l, g) in chosen if l == layer for h in range(g * per_kv, (g + 1) * per_kv)] for layer in range(layers)]
     model = to_recurformer(model, selected, _recipe_operator(config))
     ids = random_ids(2, 128, seed=5)  # longer than sink + window (60): tokens leave the window
-    data = capture(model, ids, batch_size=2, progress=False)
-    for i, (inputs, _target) in data.items():
+    settings = dict(config.model.transfer.as_dict(), steps=2, samples=2, batch_size=2, long_source=None)
+    report = transfer(model, ids, TransferConfig(**settings), progress=False)
+    for i in report["layers"]:
         mixer = model.model.layers[i].self_attn.mixer
-        assert calibrate_mixer(mixer, inputs.to(dtype)) is not None
-        assert torch.all(mixer.gate == 1) and mixer.decay_horizon == 128.0  # gates open, the recipe's horizon
-    return model, data
+        assert torch.all(mixer.gate > 0) and mixer.decay_horizon == 128.0  # gates open, the recipe's horizon
+    return model, report["layers"]
 
 
 def _train_step(model, config):
@@ -147,11 +149,11 @@ def _train_step(model, config):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_recipe_operator_trains_a_tiny_model_of_its_family_for_one_step(name, parsed):
     config = parsed(name)
-    model, data = _converted(name, config)
-    assert len(data) == 2  # both layers hold replaced heads
+    model, layers = _converted(name, config)
+    assert len(layers) == 2  # both layers hold replaced heads
     loss, named, before = _train_step(model, config)
     assert torch.isfinite(loss)
-    mixers = [model.model.layers[i].self_attn.mixer for i in data]
+    mixers = [model.model.layers[i].self_attn.mixer for i in layers]
     for mixer in mixers:
         for param in (mixer.log_horizon, mixer.gate, mixer.feature_map):
             assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
@@ -160,19 +162,20 @@ def test_recipe_operator_trains_a_tiny_model_of_its_family_for_one_step(name, pa
         assert {n for n in named if n.endswith(kind)} <= changed, kind
 
 
-def test_under_the_recipes_bf16_weights_a_step_cannot_move_the_decay_horizon(parsed):
-    """What the recipes' "bf16 limit" paragraph says: with bf16 weights (their model.dtype) the
-    optimizer's step on log-horizon ln 128 is below bf16's spacing there and rounds away, while
-    the feature maps train. If this fails, rfkit keeps the new weights in float32 now: update
-    that paragraph in the three *_hybrid recipes."""
-    name = "qwen2_05b_b05_hybrid"
+@pytest.mark.parametrize("name", VARIANTS)
+def test_under_the_recipes_bf16_weights_the_new_weights_are_float32_and_a_step_moves_the_horizon(name, parsed):
+    """The recipes' bf16 base (model.dtype, bf16-true) with the precision policy: conversion keeps the
+    new weights in float32 beside the bf16 base, attention transfer runs on the bf16 model's own
+    captures, and one optimizer step moves the decay horizon (log 128, where a bf16 weight's spacing,
+    1/32, is far above the step)."""
     config = parsed(name)
     assert config.model.dtype == "bfloat16" and config.trainer.precision == "bf16-true"
-    model, data = _converted(name, config, dtype=torch.bfloat16)
+    model, _ = _converted(name, config, dtype=torch.bfloat16)
+    for n, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if ".mixer." in n else torch.bfloat16), n
     loss, named, before = _train_step(model, config)
     assert torch.isfinite(loss)
     horizons = [n for n in named if n.endswith("log_horizon")]
-    maps = [n for n in named if n.endswith("feature_map")]
-    assert horizons and all(named[n].grad.abs().sum() > 0 for n in horizons)  # a gradient, but no move
-    assert all(torch.equal(named[n].detach(), before[n]) for n in horizons)
-    assert all(not torch.equal(named[n].detach(), before[n]) for n in maps)
+    assert horizons and all(named[n].grad.abs().sum() > 0 for n in horizons)
+    moved = [(named[n].detach() - before[n]).abs().max() for n in horizons]
+    assert all(0 < float(m) < 0.03 for m in moved), moved  # a real step, smaller than bf16 could hold there

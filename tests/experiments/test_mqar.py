@@ -204,8 +204,12 @@ def check_outputs(out_dir: Path, betas, lengths):
     return results
 
 
-def test_tiny_run_writes_results_plot_and_table(tmp_path, capsys):
-    code, out, err = run_cli(["eval", "mqar", *TINY_ARGS, "--output_dir", str(tmp_path)], capsys)
+@pytest.mark.parametrize("recipe", ["mqar_smoke.yaml", "mqar_ablation.yaml"])
+def test_tiny_run_writes_results_plot_and_table(recipe, tmp_path, capsys):
+    """Each MQAR recipe through its own command, every setting its own but the scale (TINY_ARGS)."""
+    assert TINY_ARGS[:2] == ["--config", SMOKE]
+    args = ["--config", str(ROOT / "recipes" / recipe), *TINY_ARGS[2:]]
+    code, out, err = run_cli(["eval", "mqar", *args, "--output_dir", str(tmp_path)], capsys)
     assert code == 0, err
     results = check_outputs(tmp_path, [0, 0.5, 1], [32, 64])
     assert [results["replaced_heads"][b]["replaced"] for b in ("0.0", "0.5", "1.0")] == [0, 4, 8]

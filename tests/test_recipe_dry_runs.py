@@ -1,0 +1,188 @@
+"""Every shipped ``rfkit fit`` recipe, run whole through the CLI with its own settings.
+
+A recipe is a contract: its precision (``bf16-true`` over a ``model.dtype: bfloat16`` base in the
+GPU recipes), freeze setting and schedule, attention transfer, LoRA, distillation, gradient or
+activation checkpointing and strategy (FSDP in the 7B recipes) all run as written. A dry run
+overrides only the scale:
+
+- the base model: a tiny random model of the recipe's family saved to a directory (Llama MHA for
+  ``llama2_b09*``, Qwen2 GQA with q/k/v biases for ``qwen2_*``, Llama GQA for the SmolLM2 ones);
+- the data: the tiny local corpus, short blocks, few of them; the long blocks at the tiny scale;
+- the length of everything: a few transfer and training steps, the freeze schedule's first
+  stage one step, windows measured in tokens scaled with the blocks;
+- where it runs: ``accelerator: cpu`` with one device; FSDP through the test-only
+  ``CPUFSDPStrategy`` (tests/training/test_ddp.py: Lightning refuses FSDP without a GPU), whose
+  full-state checkpoint Lightning writes only from GPUs (``enable_checkpointing: false`` there).
+
+Nothing is cast by hand. Each run saves a model that loads and generates, in the recipe's dtypes:
+the base in bf16 and the new weights in float32 where the recipe loads a bf16 base. The MQAR
+recipes run their own command at the tiny scale in tests/experiments/test_mqar.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import ROOT, run_cli
+
+import rfkit  # noqa: F401  (registers the converted model types)
+
+FIT_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("mqar"))
+FAMILY = {"llama2": "llama_mha", "qwen2": "qwen2"}  # by name prefix; the rest (SmolLM2) are Llama GQA
+SEQ_LEN, LONG_LEN = 96, 160  # the tiny model takes 256 positions
+
+
+def family_of(name: str) -> str:
+    return next((f for prefix, f in FAMILY.items() if name.startswith(prefix)), "llama_gqa")
+
+
+def small_tokenizer(corpus: Path):
+    """A byte-level BPE tokenizer of 300 tokens trained on the tiny corpus: any text tokenises
+    (HashHop's hashes too), and logits over 300 tokens instead of SmolLM2's 49,152 keep the bf16
+    recipes fast on a CPU, which has no fast bf16 matmul."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = "<|endoftext|>"
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=special, bos_token=special, pad_token=special)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tiny_corpus, tmp_path_factory):
+    """family -> a tiny random model directory (width 64, 2 layers, 320 tokens) with a small tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from helpers import TINY
+
+    tokenizer = small_tokenizer(tiny_corpus)
+    root = tmp_path_factory.mktemp("families")
+    shape = dict(TINY, vocab_size=320)
+    dirs = {}
+    for family, model in (
+        ("llama_gqa", lambda: LlamaForCausalLM(LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=2))),
+        ("llama_mha", lambda: LlamaForCausalLM(LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=4))),
+        ("qwen2", lambda: Qwen2ForCausalLM(Qwen2Config(**shape, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False))),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        path = root / family
+        model().save_pretrained(str(path))
+        tokenizer.save_pretrained(str(path))
+        dirs[family] = path
+    return dirs
+
+
+def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str]:
+    """The overrides that run recipe ``name`` at the tiny scale (module docstring), nothing else."""
+    recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+    model, data, trainer = recipe["model"], recipe.get("data") or {}, recipe["trainer"]
+    data_args = data.get("init_args", data)
+    args = [
+        "--config", str(ROOT / "recipes" / f"{name}.yaml"),
+        "--model.base_model", str(model_dir),
+        "--model.policy.init_args.window", "9",  # about a tenth of the blocks, as in the recipes
+        "--data.source", str(corpus), "--data.seq_len", str(SEQ_LEN), "--data.batch_size", "2",
+        "--data.calibration_samples", "4", "--data.val_blocks", "2", "--data.split", "[0.1, 0.1]",
+        "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
+        "--model.lr_scheduler.init_args.T_max", "3",
+        "--model.transfer.steps", "2", "--model.transfer.samples", "4", "--model.transfer.batch_size", "2",
+    ]  # fmt: skip
+    if (model.get("transfer") or {}).get("long_source"):
+        args += ["--model.transfer.long_source", str(corpus), "--model.transfer.long_seq_len", str(LONG_LEN),
+                 "--model.transfer.long_samples", "2"]  # fmt: skip
+    if data_args.get("long_source"):
+        args += ["--data.long_source", str(corpus), "--data.long_seq_len", str(LONG_LEN), "--data.long_every", "1"]
+    if "hops" in data_args:  # HashHop fine-tuning: short chains, a handful of samples
+        args += ["--data.chars", "200", "--data.train_samples", "6", "--data.val_samples", "3"]
+    if model.get("freeze_schedule"):  # the same stages, the first one step long
+        stages = [dict(stage) for stage in model["freeze_schedule"]]
+        stages[0]["steps"] = 1
+        args += ["--model.freeze_schedule", json.dumps(stages)]
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
+        args += ["--trainer.strategy.class_path", "test_ddp.CPUFSDPStrategy", "--trainer.enable_checkpointing", "false"]
+    return args
+
+
+def dry_run(name, tiny_dirs, tiny_corpus, root, capsys, monkeypatch, extra=()) -> dict:
+    """``rfkit fit`` of recipe ``name`` at the tiny scale (in this process; an FSDP run's process
+    group is torn down after it); returns its summary and saved model directory."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RFKIT_CACHE", str(root / "cache"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "training"))  # test_ddp.CPUFSDPStrategy
+    try:
+        code, out, err = run_cli(["fit", *scale_args(name, tiny_dirs[family_of(name)], tiny_corpus, root), *extra], capsys)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    assert code == 0, err[-3000:]
+    summary = json.loads(next(root.rglob("summary.json")).read_text())
+    return {"summary": summary, "model": Path(summary["model_dir"]), "output": out + err}
+
+
+def check_saved_model(model_dir: Path, recipe: dict) -> None:
+    """The saved model loads with its recipe's dtypes and greedy ``generate`` continues a prompt
+    with the tokens that full forwards pick."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    base = torch.bfloat16 if recipe["model"].get("dtype") == "bfloat16" else torch.float32
+    for n, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if ".mixer." in n else base), n  # new weights float32 beside bf16
+    ids = torch.randint(0, 300, (1, 80), generator=torch.Generator().manual_seed(0))  # past the 60-token windows
+    with torch.no_grad():
+        model.generation_config.eos_token_id = None  # a random model may pick eos: keep going
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 84)
+        full = model(out).logits[0, 79:83].argmax(-1)  # the same tokens from one full forward
+    assert torch.equal(out[0, 80:], full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FIT_RECIPES)
+def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, tmp_path, capsys, monkeypatch):
+    recipe = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
+    run = dry_run(name, tiny_dirs, tiny_corpus, tmp_path, capsys, monkeypatch)
+    summary = run["summary"]
+    assert summary["device"] == "cpu" and summary["replaced_heads"] > 0
+    assert summary["ppl_converted"] > 1 and summary["train_tokens"] > 0
+    if recipe["model"].get("transfer"):
+        assert summary["transfer"]["steps_run"] == 2
+    check_saved_model(run["model"], recipe)
+
+
+@pytest.mark.slow
+def test_llama2_b09_schedule_trains_the_adapters_after_the_switch_under_one_process_fsdp(
+    tiny_dirs, tiny_corpus, tmp_path, capsys, monkeypatch
+):
+    """llama2_b09's freeze schedule (mixers alone, then the LoRA adapters join) under FSDP in one
+    process: the adapters are held in the first stage and train after the switch. FSDP fixes a
+    unit's requires_grad when it flattens it, so the stages hold parameters by dropping their
+    gradients, as under DDP."""
+    digest = tmp_path / "lora"
+    run = dry_run(
+        "llama2_b09", tiny_dirs, tiny_corpus, tmp_path / "run", capsys, monkeypatch,
+        extra=["--trainer.callbacks+=fault_callbacks.LoraSteps", "--trainer.callbacks.path", str(digest)],
+    )  # fmt: skip
+    steps = json.loads(digest.read_text())
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[0]["lora_B"] == 0  # stage 1 (mixers): B starts at 0 and is held
+    assert steps[1]["lora_B"] > 0 and steps[2]["lora_B"] > steps[1]["lora_B"] * 0.5  # stage 2: trained
+    assert all(s["mixer_dtypes"] == ["torch.float32"] and s["lora_dtypes"] == ["torch.float32"] for s in steps)
+    assert run["summary"]["lora_layers"] > 0
+    from safetensors import safe_open
+
+    with safe_open(str(run["model"] / "model.safetensors"), "pt") as saved:
+        assert not [k for k in saved.keys() if ".lora_" in k]  # merged into the saved weights
