@@ -194,7 +194,7 @@ class MambaOperator(ReplacementOperator):
                 break
             pinv = torch.linalg.pinv(w_v[g * hd : (g + 1) * hd])  # (hidden, hd)
             m_k = w_k[g * hd : (g + 1) * hd] @ pinv  # (hd, hd)
-            gram = torch.zeros(hd, hd)
+            gram = torch.zeros(hd, hd, dtype=torch.float32, device=w_v.device)  # beside the weights (a GPU in fit)
             for h in group_of[g]:
                 m_q = w_q[h * hd : (h + 1) * hd] @ pinv
                 gram += m_q.T @ m_k / len(group_of[g])
