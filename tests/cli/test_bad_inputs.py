@@ -182,6 +182,7 @@ CASES = [
     ("convert-output-under-a-file", "convert", ["--output", "{in}/a_file/converted"], ["--output: cannot create", "is a file, not a directory"]),
     ("convert-output-is-a-file", "convert", ["--output", "{in}/a_file"], ["--output:", "exists and is a file; give a directory"]),
     ("profile-output-under-proc", "profile", ["--output", "/proc/rfkit-bad-input/head_map.json"], ["--output: cannot write '/proc/rfkit-bad-input/head_map.json'"]),
+    ("convert-device-unknown", "convert", ["--device", "tpu"], ["--device: 'tpu' is not allowed; allowed: cpu, cuda, cuda:N"]),
     # checkpoints
     ("ckpt-missing", "validate", ["--ckpt_path", "{in}/none.ckpt"], ["--ckpt_path:", "none.ckpt' does not exist"]),
     ("ckpt-not-a-checkpoint", "validate", ["--ckpt_path", "{in}/garbage.ckpt"], ["--ckpt_path:", "is not a PyTorch checkpoint"]),
@@ -352,6 +353,15 @@ def test_sweep_sets_the_opt_in_for_its_beta_1_rows_and_warns_once(caplog):
         assert check_all_heads(row)  # allowed, with the policy's own warning
     sweep_warnings = [r.getMessage() for r in caplog.records if r.name == "rfkit.experiments.sweep"]
     assert len(sweep_warnings) == 1 and "destroys quality" in sweep_warnings[0]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_profile_device_cuda_without_one_is_one_line(tiny_model_dir, tiny_corpus, tmp_path, capsys, no_loading):
+    args = ["profile", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--device", "cuda:0",
+            "--output", str(tmp_path / "out" / "head_map.json")]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert_one_line(code, out, err, "--device: cuda was asked for but no CUDA device is available")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", ["fit", "validate", "test", "profile", "convert", "sweep"])
