@@ -34,19 +34,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
 
 from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_state_store
+from rfkit.models.configuration import RecurFormerLlamaConfig, RecurFormerMistralConfig, RecurFormerQwen2Config
 from rfkit.models.layout import AttentionLayout, GroupView, group_runs, projection_biases, sliding_window
 from rfkit.models.operators import ReplacementOperator
 from rfkit.models.precision import default_dtype, new_weight_dtype
@@ -338,39 +331,6 @@ def _pass_cache(kwargs: dict, cache, past_key_values) -> None:
     given = cache if cache is not None else past_key_values
     if given is not None:  # only when given: 5.24 warns on the old name even when it is None
         kwargs[CACHE_ARG] = given
-
-
-def _init_rf_fields(config, rf_selected, rf_operator, rf_base_model_type) -> None:
-    """The fields every ``rf_*`` config adds to its family's config."""
-    config.rf_selected = rf_selected or []
-    config.rf_operator = rf_operator or {}
-    config.rf_base_model_type = rf_base_model_type
-
-
-# Each config class defines its own ``__init__``: transformers turns config classes into
-# dataclasses and would generate one (dropping the ``rf_*`` arguments) for a class without.
-class RecurFormerLlamaConfig(LlamaConfig):
-    model_type = "rf_llama"
-
-    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="llama", **kwargs):
-        super().__init__(**kwargs)
-        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
-
-
-class RecurFormerMistralConfig(MistralConfig):
-    model_type = "rf_mistral"
-
-    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="mistral", **kwargs):
-        super().__init__(**kwargs)
-        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
-
-
-class RecurFormerQwen2Config(Qwen2Config):
-    model_type = "rf_qwen2"
-
-    def __init__(self, rf_selected=None, rf_operator=None, rf_base_model_type="qwen2", **kwargs):
-        super().__init__(**kwargs)
-        _init_rf_fields(self, rf_selected, rf_operator, rf_base_model_type)
 
 
 class _RecurFormerCausalLM:

@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from rfkit.classpath import class_path
+from rfkit.classpath import class_path, public_path
 from rfkit.errors import RFKitError
 from rfkit.validate import INTEGER_NOT_ALLOWED, fraction, in_range, one_of, positive_int
 
@@ -73,7 +73,10 @@ class ReplacementOperator(ABC):
     @staticmethod
     def from_dict(spec: dict) -> "ReplacementOperator":
         module_name, _, cls_name = spec["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module_name), cls_name)
+        builtin = globals().get(cls_name) if public_path(spec["class_path"]) == f"rfkit.operators.{cls_name}" else None
+        # a built-in operator is this module's own class (so an exported model folder, which ships
+        # this module without rfkit, rebuilds it too); a plugin's is imported by its path
+        cls = builtin if isinstance(builtin, type) else getattr(importlib.import_module(module_name), cls_name)
         if not (isinstance(cls, type) and issubclass(cls, ReplacementOperator)):
             raise OperatorError(f"model.operator: {spec['class_path']} is not a ReplacementOperator subclass")
         return cls(**spec.get("init_args", {}))
