@@ -49,6 +49,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("rfkit.evals.tasks:run_eval", "TASK --model DIR|RECIPE", "hashhop, passkey, context, ppl, mqar, lm-eval"),
     "data": Command("rfkit.evals.tasks:run_data", "hashhop --n N --out FILE", "write evaluation or fine-tuning samples"),
     "sweep": Command("rfkit.experiments.sweep:main", "--config RECIPE --betas 0,0.5,1", "quality against cache, one row per beta and operator"),
+    "export": Command("rfkit.config.sharing:main", "--model DIR --output DIR", "a saved model, made loadable without rfkit", plugins=False),
     "recipes": Command("rfkit.config.catalog:main", "list | show NAME | cp NAME DEST", "the recipes packaged with rfkit", plugins=False),
 }
 
