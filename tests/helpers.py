@@ -144,3 +144,22 @@ def generate_plain_and_left_padded(model, ids, pad: int = 3, new_tokens: int = 8
             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
         )  # fmt: skip
     return plain, padded[:, pad:]
+
+
+def small_tokenizer(corpus: Path):
+    """A byte-level BPE tokenizer of 300 tokens trained on the tiny corpus: any text tokenises
+    (HashHop's hashes too), and logits over 300 tokens instead of SmolLM2's 49,152 keep a dozen
+    fits (teacher and student logits, KL over the vocabulary) within seconds."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = "<|endoftext|>"
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=special, bos_token=special, pad_token=special)

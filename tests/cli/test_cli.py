@@ -129,12 +129,16 @@ def test_missing_config_file(capsys):
     )
 
 
-def test_unknown_attention_layout_is_refused_before_loading(tmp_path, capsys):
-    model_dir = tmp_path / "gpt2ish"
+@pytest.mark.parametrize("command", [["fit", "--config", SMOLLM], ["profile", "--config", SMOLLM], ["convert", "--config", SMOLLM]])
+def test_other_model_families_are_refused_before_loading_with_one_line(command, tmp_path, capsys):
+    model_dir = tmp_path / "gpt2ish"  # a config only: had anything tried to load weights, it would fail differently
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8}))
-    code, out, err = run_cli(["fit", "--config", SMOLLM, "--model.base_model", str(model_dir)], capsys)
-    assert code == 2 and "model.base_model" in err and "gpt2" in err and "llama" in err
+    extra = ["--output", str(tmp_path / "out")] if command[0] != "fit" else []
+    code, out, err = run_cli([*command, "--model.base_model", str(model_dir), *extra], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model.base_model" in err and "'gpt2'" in err and "allowed: llama, mistral, qwen2" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
