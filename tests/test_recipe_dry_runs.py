@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, small_tokenizer
 
 import rfkit  # noqa: F401  (registers the converted model types)
 
@@ -40,27 +40,10 @@ def family_of(name: str) -> str:
     return next((f for prefix, f in FAMILY.items() if name.startswith(prefix)), "llama_gqa")
 
 
-def small_tokenizer(corpus: Path):
-    """A byte-level BPE tokenizer of 300 tokens trained on the tiny corpus: any text tokenises
-    (HashHop's hashes too), and logits over 300 tokens instead of SmolLM2's 49,152 keep a dozen
-    fits (teacher and student logits, KL over the vocabulary) within seconds."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    special = "<|endoftext|>"
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=[special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=special, bos_token=special, pad_token=special)
-
-
 @pytest.fixture(scope="module")
 def tiny_dirs(tiny_corpus, tmp_path_factory):
     """family -> a tiny random model directory (width 64, 2 layers, 320 tokens) with a small tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from helpers import TINY
 
@@ -72,6 +55,7 @@ def tiny_dirs(tiny_corpus, tmp_path_factory):
         ("llama_gqa", lambda: LlamaForCausalLM(LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=2))),
         ("llama_mha", lambda: LlamaForCausalLM(LlamaConfig(**shape, num_attention_heads=4, num_key_value_heads=4))),
         ("qwen2", lambda: Qwen2ForCausalLM(Qwen2Config(**shape, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False))),
+        ("mistral", lambda: MistralForCausalLM(MistralConfig(**shape, num_attention_heads=4, num_key_value_heads=2, sliding_window=None))),
     ):  # fmt: skip
         torch.manual_seed(0)
         path = root / family
@@ -115,7 +99,7 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
     return args
 
 
-def dry_run(name, tiny_dirs, tiny_corpus, root, capsys, monkeypatch, extra=()) -> dict:
+def dry_run(name, tiny_dirs, tiny_corpus, root, capsys, monkeypatch, extra=(), family=None) -> dict:
     """``rfkit fit`` of recipe ``name`` at the tiny scale (in this process; an FSDP run's process
     group is torn down after it); returns its summary and saved model directory."""
     import torch.distributed as dist
@@ -123,7 +107,8 @@ def dry_run(name, tiny_dirs, tiny_corpus, root, capsys, monkeypatch, extra=()) -
     monkeypatch.setenv("RFKIT_CACHE", str(root / "cache"))
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "training"))  # test_ddp.CPUFSDPStrategy
     try:
-        code, out, err = run_cli(["fit", *scale_args(name, tiny_dirs[family_of(name)], tiny_corpus, root), *extra], capsys)
+        model_dir = tiny_dirs[family or family_of(name)]
+        code, out, err = run_cli(["fit", *scale_args(name, model_dir, tiny_corpus, root), *extra], capsys)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -186,3 +171,35 @@ def test_llama2_b09_schedule_trains_the_adapters_after_the_switch_under_one_proc
 
     with safe_open(str(run["model"] / "model.safetensors"), "pt") as saved:
         assert not [k for k in saved.keys() if ".lora_" in k]  # merged into the saved weights
+
+
+@pytest.mark.slow
+def test_a_mistral_model_through_a_llama_fsdp_recipe_gets_its_own_layers_wrapped_and_checkpointed(
+    tiny_dirs, tiny_corpus, tmp_path, capsys, monkeypatch, caplog
+):
+    """A recipe names its family's decoder layer (llama2_b09_hybrid: LlamaDecoderLayer) for FSDP
+    units and activation checkpointing; a Mistral model started from it gets its own layers in
+    both, with one warning each, instead of one root unit and no checkpointing."""
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+    import rfkit.training.module as module
+
+    seen = {}
+    real = module.prepare_fsdp
+
+    def recording(strategy, model):
+        units = real(strategy, model)
+        policy = strategy.kwargs["auto_wrap_policy"]
+        seen["wrapped"] = {type(m).__name__ for m in model.modules() if policy._lambda_fn(m) is True}
+        seen["checkpointed"] = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]._module_classes
+        return units
+
+    monkeypatch.setattr(module, "prepare_fsdp", recording)
+    run = dry_run("llama2_b09_hybrid", tiny_dirs, tiny_corpus, tmp_path, capsys, monkeypatch, family="mistral")
+    assert seen == {"wrapped": {"MistralDecoderLayer"}, "checkpointed": {MistralDecoderLayer}}
+    for field in ("auto_wrap_policy", "activation_checkpointing_policy"):
+        warning = f"FSDP: trainer.strategy.{field} names LlamaDecoderLayer, which this mistral model does not have; " \
+                  "using its own MistralDecoderLayer"  # fmt: skip
+        assert [r.getMessage() for r in caplog.records].count(warning) == 1, caplog.text
+    assert json.loads((run["model"] / "config.json").read_text())["model_type"] == "rf_mistral"
+    check_saved_model(run["model"], yaml.safe_load((ROOT / "recipes" / "llama2_b09_hybrid.yaml").read_text()))

@@ -53,14 +53,43 @@ def uses_fsdp(strategy) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
+def _wrap_classes(policy) -> tuple:
+    """The module classes an FSDP wrap policy names (a ModuleWrapPolicy or a collection of
+    classes); () for anything else."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if isinstance(policy, ModuleWrapPolicy):
+        return tuple(policy._module_classes)
+    if isinstance(policy, (set, list, tuple)) and policy and all(isinstance(c, type) for c in policy):
+        return tuple(policy)
+    return ()
+
+
+def model_layer_classes(classes: tuple, model: nn.Module, field: str) -> tuple:
+    """``classes`` (a recipe's decoder-layer class, named for its family), or the model's own
+    decoder-layer class when none of them occurs in ``model``: a recipe written for Llama wraps a
+    Mistral model's layers, not nothing (logged once per field)."""
+    if not classes or any(isinstance(m, classes) for m in model.modules()):
+        return classes
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return classes
+    own = type(layers[0])
+    log.warning(
+        "FSDP: %s names %s, which this %s model does not have; using its own %s",
+        field, ", ".join(c.__name__ for c in classes), getattr(model.config, "rf_base_model_type", None) or getattr(model.config, "model_type", "?"), own.__name__,
+    )  # fmt: skip
+    return (own,)
+
+
 def fsdp_wrap_policy(model: nn.Module, policy=None):
     """An FSDP auto-wrap policy for the converted ``model``: ``policy`` (the recipe's, usually one
-    unit per decoder layer; None: no other unit) plus one unit per module of
-    :func:`rfkit.models.precision.new_weight_modules`, whose mixed precision is switched off."""
-    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+    unit per decoder layer, :func:`model_layer_classes`; None: no other unit) plus one unit per
+    module of :func:`rfkit.models.precision.new_weight_modules`, whose mixed precision is switched off."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
 
     own = {id(m) for m in new_weight_modules(model)}
-    classes = tuple(policy._module_classes) if isinstance(policy, ModuleWrapPolicy) else ()
+    classes = model_layer_classes(_wrap_classes(policy), model, "trainer.strategy.auto_wrap_policy")
     if policy is not None and not classes:
         log.warning("FSDP: the strategy's auto_wrap_policy is not a list of module classes; "
                     "rfkit wraps the new weights on their own and every other module in the root unit")
@@ -75,10 +104,18 @@ def fsdp_wrap_policy(model: nn.Module, policy=None):
 
 def prepare_fsdp(strategy, model: nn.Module) -> int:
     """Give an FSDP ``strategy`` the wrap policy of :func:`fsdp_wrap_policy` for ``model`` (before it
-    wraps the model); returns the number of new-weight units (0: not FSDP, nothing changed)."""
+    wraps the model), and its activation checkpointing the model's decoder layers
+    (:func:`model_layer_classes`); returns the number of new-weight units (0: not FSDP, nothing changed)."""
     if not uses_fsdp(strategy):
         return 0
     strategy.kwargs["auto_wrap_policy"] = fsdp_wrap_policy(model, strategy.kwargs.get("auto_wrap_policy"))
+    checkpointing = getattr(strategy, "_activation_checkpointing_kwargs", None) or {}  # Lightning's parsed policy
+    named = _wrap_classes(checkpointing.get("auto_wrap_policy"))
+    classes = model_layer_classes(named, model, "trainer.strategy.activation_checkpointing_policy")
+    if classes != named:
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        checkpointing["auto_wrap_policy"] = ModuleWrapPolicy(set(classes))
     return len(new_weight_modules(model))
 
 
