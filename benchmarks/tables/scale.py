@@ -37,3 +37,30 @@ def transfer_scale() -> str:
             f"{small['seconds_per_step']:.1f} s |"
         )  # fmt: skip
     return "\n".join(lines)
+
+
+#: README "Convert your own model": the recipe to start from, what it suits, where it runs
+OWN_MODEL = (
+    ("qwen2_05b_b05_hybrid", "up to about 1B parameters, MHA or GQA", "one GPU"),
+    ("qwen2_7b_b09_hybrid", "7B GQA (Qwen2, Mistral, Llama 3)", "one GPU or a node (FSDP)"),
+    ("llama2_b09_hybrid", "7B MHA (Llama 2)", "one GPU or a node (FSDP)"),
+)
+
+
+@table("own_model")
+def own_model() -> str:
+    """The hybrid recipes' attention-transfer costs (the transfer_scale files), for a reader
+    choosing where to start."""
+    lines = [
+        "| start from | for | runs on | transfer: GPU memory before activations | host RAM (captures) | transfer time |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for name, suits, where in OWN_MODEL:
+        full = load(f"transfer_scale/{name}.json")["full_scale"]
+        step = full["step_seconds_at_assumed_tflops"] + full["step_upload_seconds_at_assumed_bandwidth"]
+        minutes = step * full["steps"] / 60
+        lines.append(
+            f"| `{name}` | {suits} | {where} | {_gb(sum(full['gpu_bytes'].values()))} | {_gb(full['host_bytes'])} "
+            f"| {minutes:.1f} min ({full['steps']:,} steps) |"
+        )  # fmt: skip
+    return "\n".join(lines)
