@@ -128,3 +128,23 @@ def test_smollm2_decoding_through_the_hybrid_cache(smollm2_run):
                 alone_ids, attention_mask=torch.ones_like(alone_ids), max_new_tokens=6, min_new_tokens=6, do_sample=False
             )
             assert torch.equal(together[row], alone[0, alone_ids.shape[1] :]), prompt
+
+
+@pytest.mark.slow
+def test_smollm2_folder_loads_without_rfkit_with_the_fits_perplexity(smollm2_run, tmp_path):
+    """The real fit's saved folder carries its code: in a process where ``import rfkit`` fails,
+    transformers loads it with ``trust_remote_code=True`` and its perplexity on the fit's
+    validation blocks (rebuilt from the saved recipe) is the one the fit reported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rf_standalone", ROOT / "benchmarks" / "standalone_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    out = tmp_path / "standalone.json"
+    assert check.main(["--model", str(smollm2_run / "model"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["exported_first"] is False  # fit wrote the code itself
+    assert result["rfkit_import_error"] == "rfkit is blocked in this process"
+    assert result["model_class"].endswith("modeling_rfkit.RecurFormerLlamaForCausalLM")
+    assert result["validation_blocks"] == 4 and result["seq_len"] == 128
+    assert result["relative_difference"] <= 1e-4, result

@@ -272,3 +272,26 @@ def test_the_readmes_convert_your_own_model_commands_parse(monkeypatch):
     parsed = sweep_parser().parse_args(["--config", "recipes/qwen2_05b_b05_hybrid.yaml", *sweep.split()[4:]])
     assert parsed.betas
     assert export_parser().parse_args(export.split()[2:]).output == "NEW_DIR"
+
+
+def test_auto_map_names_the_classes_rfkit_registers():
+    from rfkit.models.export import CLASSES, auto_map
+    from rfkit.models.modeling import _FAMILIES
+
+    assert CLASSES == {cfg.model_type: (cfg.__name__, model.__name__) for cfg, model in _FAMILIES.values()}
+    assert auto_map("rf_qwen2") == {
+        "AutoConfig": "configuration_rfkit.RecurFormerQwen2Config",
+        "AutoModelForCausalLM": "modeling_rfkit.RecurFormerQwen2ForCausalLM",
+    }
+
+
+def test_the_folders_code_warns_outside_the_transformers_range_it_states():
+    from rfkit.models.export import _version_check
+
+    with pytest.warns(UserWarning, match=r"supports transformers <1, not the installed"):
+        exec(_version_check("<1", "9.9"), {})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(_version_check(">=5.0,<6", "9.9"), {})  # the installed one: silent
