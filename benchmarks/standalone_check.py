@@ -30,6 +30,16 @@ HERE = Path(__file__).resolve().parent
 PROBE = HERE / "standalone_probe.py"
 
 
+def probe_outputs(model, ids: torch.Tensor) -> dict:
+    """The probe's comparison outputs (``standalone_probe.outputs``) for a model loaded here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rf_standalone_probe", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe.outputs(model, ids)
+
+
 def blocked_env(workdir: Path) -> dict:
     """The environment of a process where ``import rfkit`` fails: a package of that name that raises,
     first on the import path (the working directory is ``workdir``, not a checkout)."""

@@ -31,6 +31,18 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int) -> float:
     return float(torch.exp(nll / tokens))
 
 
+def outputs(model, ids: torch.Tensor) -> dict:
+    """What the checks compare, however the model was loaded: logits, and greedy, beam-search and
+    sampled (seeded) generations."""
+    with torch.no_grad():
+        found = {"logits": model(ids).logits}
+        found["greedy"] = model.generate(ids, max_new_tokens=12, do_sample=False)
+        found["beams"] = model.generate(ids[:1], max_new_tokens=12, num_beams=3, do_sample=False)
+        torch.manual_seed(0)
+        found["sampled"] = model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20)
+    return found
+
+
 def probe(folder: dict, out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -42,12 +54,8 @@ def probe(folder: dict, out_dir: Path) -> dict:
     model.generation_config.pad_token_id = 0
     ids = inputs["ids"]
     found = {"config_class": type(config).__name__, "model_class": type(model).__name__, "model_module": type(model).__module__}
+    tensors = outputs(model, ids)
     with torch.no_grad():
-        tensors = {"logits": model(ids).logits}
-        tensors["greedy"] = model.generate(ids, max_new_tokens=12, do_sample=False)
-        tensors["beams"] = model.generate(ids[:1], max_new_tokens=12, num_beams=3, do_sample=False)
-        torch.manual_seed(0)
-        tensors["sampled"] = model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20)
         if "blocks" in inputs:
             found["perplexity"] = perplexity(model, inputs["blocks"], int(inputs["batch_size"]))
     torch.save(tensors, out_dir / f"{folder['tag']}.pt")

@@ -79,12 +79,7 @@ def reference(folder: Path, ids: torch.Tensor) -> dict:
     assert type(model).__module__ == "rfkit.models.modeling"
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        found = {"logits": model(ids).logits}
-        found["greedy"] = model.generate(ids, max_new_tokens=12, do_sample=False)
-        found["beams"] = model.generate(ids[:1], max_new_tokens=12, num_beams=3, do_sample=False)
-        torch.manual_seed(0)
-        found["sampled"] = model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20)
+    found = standalone().probe_outputs(model, ids)  # what the probe computes, here with rfkit's classes
     generator = pipeline("text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(str(folder)))
     found["pipeline"] = generator(PROMPT, max_new_tokens=8, do_sample=False)[0]["generated_text"]
     return found
