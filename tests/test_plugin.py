@@ -167,6 +167,10 @@ def test_short_names_from_an_installed_plugin_drive_a_conversion(converted):
     assert head_map["policy"]["prefer"] == "high" and head_map["window"] == 4
     assert sum(map(len, head_map["selected"])) == 4  # beta 0.5 of 2 layers x 2 KV groups, 2 heads each
     assert config["rf_selected"] == head_map["selected"]
+    # a plugin's operator: the folder carries no code of its own (it loads where the plugin is), and says so
+    assert "auto_map" not in config and not (out / "modeling_rfkit.py").exists()
+    assert "carries no code of its own (its operator rfkit_entropy_plugin.EMAOperator is a plugin's" in proc.stderr
+    assert "library_name: rfkit\n" in (out / "README.md").read_text()
 
 
 def test_the_converted_model_reloads_with_its_plugin_operator(converted, plugin_site, tmp_path):

@@ -69,6 +69,9 @@ def test_profile_and_convert_subcommands(tiny_model_dir, tiny_corpus, tmp_path, 
     assert converted.config.rf_selected == head_map["selected"]  # the cached profile was reused
     ids = torch.randint(0, 100, (1, 16))
     assert converted(ids).logits.shape == (1, 16, converted.config.vocab_size)
+    config = json.loads((tmp_path / "conv" / "config.json").read_text())  # convert's folder carries its code too
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_rfkit.RecurFormerLlamaForCausalLM"
+    assert (tmp_path / "conv" / "modeling_rfkit.py").is_file() and (tmp_path / "conv" / "configuration_rfkit.py").is_file()
 
 
 @pytest.mark.slow
