@@ -68,7 +68,7 @@ def run_probe(folders: list[dict], workdir: Path, timeout: float = 600) -> dict:
     for folder in folders:
         inputs = workdir / f"{folder['tag']}.inputs.pt"
         torch.save(folder["inputs"], inputs)
-        job["folders"].append({"path": str(folder["path"]), "tag": folder["tag"], "inputs": str(inputs)})
+        job["folders"].append({"path": str(Path(folder["path"]).resolve()), "tag": folder["tag"], "inputs": str(inputs)})  # the probe runs elsewhere
     (workdir / "job.json").write_text(json.dumps(job))
     done = run_without_rfkit([sys.executable, str(PROBE), str(workdir / "job.json")], workdir, timeout)
     if done.returncode != 0:
