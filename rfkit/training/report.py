@@ -60,16 +60,22 @@ def summary_table(summary: dict) -> list[str]:
 def next_commands(model_dir: str) -> list[str]:
     """Two commands and a generate snippet for the saved model, its path filled in."""
     quoted = shlex.quote(model_dir)
+    if (Path(model_dir) / "modeling_rfkit.py").is_file():  # the folder carries its code: transformers alone loads it
+        load = ["  generate (Python; the folder carries its code, no rfkit needed):"]
+        model_args = "path, trust_remote_code=True"
+    else:
+        load = ["  generate (Python):", "    import rfkit  # registers the converted model classes with transformers"]
+        model_args = "path"
     return [
         f"  rfkit eval ppl --model {quoted}",
         f"  rfkit eval passkey --model {quoted} --lengths 1024,2048",
         f"  rfkit bench cache --model {quoted}",
         "",
-        "  generate (Python):",
-        "    import rfkit  # registers the converted model classes with transformers",
+        *load,
         "    from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f"    tok = AutoTokenizer.from_pretrained({model_dir!r})",
-        f"    model = AutoModelForCausalLM.from_pretrained({model_dir!r})",
+        f"    path = {model_dir!r}",
+        "    tok = AutoTokenizer.from_pretrained(path)",
+        f"    model = AutoModelForCausalLM.from_pretrained({model_args})",
         '    out = model.generate(**tok("The river", return_tensors="pt"), max_new_tokens=30)',
         "    print(tok.decode(out[0], skip_special_tokens=True))",
     ]

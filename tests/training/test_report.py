@@ -38,7 +38,8 @@ def test_tiny_fit_ends_with_the_table_the_path_and_the_next_commands(tiny_model_
     # where the model is, and what to run next with that path filled in
     assert f"  model    {shown}" in lines
     assert f"  rfkit eval ppl --model {shown}" in screen and f"  rfkit bench cache --model {shown}" in screen
-    assert f"AutoModelForCausalLM.from_pretrained({shown!r})" in screen
+    assert f"    path = {shown!r}" in lines and "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)" in screen
+    assert "import rfkit" not in screen
     assert model_dir.is_dir()
     # short: nothing wider than the terminal, no per-layer JSON on screen (it is in summary.json)
     assert max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
