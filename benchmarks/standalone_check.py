@@ -28,6 +28,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "standalone_probe.py"
+#: what a distributed launcher (or an earlier DDP run in the same process) leaves in the environment;
+#: accelerate, under lm_eval, reads them as "join a process group"
+DISTRIBUTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def probe_outputs(model, ids: torch.Tensor) -> dict:
@@ -46,7 +49,8 @@ def blocked_env(workdir: Path) -> dict:
     block = workdir / "block" / "rfkit"
     block.mkdir(parents=True, exist_ok=True)
     (block / "__init__.py").write_text('raise ImportError("rfkit is blocked in this process")\n')
-    env = dict(os.environ, PYTHONPATH=str(block.parent), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED}  # a fresh colleague's shell, not a rank of ours
+    env.update(PYTHONPATH=str(block.parent), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.setdefault("HF_MODULES_CACHE", str(workdir / "hf_modules"))  # transformers' copies of the folders' code
     return env
 
