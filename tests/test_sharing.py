@@ -270,10 +270,15 @@ def test_the_readmes_convert_your_own_model_commands_parse(monkeypatch):
 
 
 def test_auto_map_names_the_classes_rfkit_registers():
-    from rfkit.models.export import CLASSES, auto_map
+    from rfkit.models.export import MODEL_TYPES, auto_map
     from rfkit.models.modeling import _FAMILIES
 
-    assert CLASSES == {cfg.model_type: (cfg.__name__, model.__name__) for cfg, model in _FAMILIES.values()}
+    assert set(MODEL_TYPES) == {cfg.model_type for cfg, _ in _FAMILIES.values()}
+    for cfg, model in _FAMILIES.values():
+        assert auto_map(cfg.model_type) == {
+            "AutoConfig": f"configuration_rfkit.{cfg.__name__}",
+            "AutoModelForCausalLM": f"modeling_rfkit.{model.__name__}",
+        }
     assert auto_map("rf_qwen2") == {
         "AutoConfig": "configuration_rfkit.RecurFormerQwen2Config",
         "AutoModelForCausalLM": "modeling_rfkit.RecurFormerQwen2ForCausalLM",

@@ -35,8 +35,8 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def check(args) -> dict:
-    """Every check that copies nothing; returns the model's config.json."""
+def check(args) -> None:
+    """Every check that copies nothing."""
     from rfkit.atomic import check_writable
     from rfkit.config.loading import ModelSpecError, check_model_spec
     from rfkit.models.export import exportable
@@ -52,11 +52,9 @@ def check(args) -> dict:
     if target.exists() and not args.force:
         raise ExportCommandError(f"--output: '{args.output}' already exists; add --force to replace it")
     check_writable(str(target), "--output", "directory")
-    config = json.loads((source / "config.json").read_text())
-    reason = exportable(config)
+    reason = exportable(json.loads((source / "config.json").read_text()))
     if reason:
         raise ExportCommandError(f"--model: '{args.model}' cannot carry its own code: {reason}")
-    return config
 
 
 def export(model_dir: str | Path, output: str | Path) -> list[str]:
@@ -68,17 +66,17 @@ def export(model_dir: str | Path, output: str | Path) -> list[str]:
     from rfkit.models.export import generated_files, write_remote_code
 
     source = Path(model_dir)
-    stale = set(generated_files())  # an earlier export's code is written anew
+    files = generated_files()  # an earlier export's copies of these are written anew
     head_map = HeadMap.load(source / "head_map.json")
     with atomic_directory(output) as tmp:
         for path in sorted(source.iterdir()):
-            if path.name in stale:
+            if path.name in files:
                 continue
             if path.is_dir():
                 shutil.copytree(path, tmp / path.name)
             else:
                 shutil.copy2(path, tmp / path.name)
-        written = write_remote_code(tmp)
+        written = write_remote_code(tmp, files)
         config = json.loads((tmp / "config.json").read_text())
         card = tmp / "README.md"
         if card.is_file():

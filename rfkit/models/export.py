@@ -37,12 +37,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the rfkit package director
 ENTRY_FILES = {"rfkit.models.configuration": "configuration_rfkit", "rfkit.models.modeling": "modeling_rfkit"}
 #: modules replaced by a generated stand-in instead of being copied
 STANDINS = {"rfkit.ops.cpu_kernels"}
-#: model_type -> (config class, model class), the names auto_map records
-CLASSES = {
-    "rf_llama": ("RecurFormerLlamaConfig", "RecurFormerLlamaForCausalLM"),
-    "rf_mistral": ("RecurFormerMistralConfig", "RecurFormerMistralForCausalLM"),
-    "rf_qwen2": ("RecurFormerQwen2Config", "RecurFormerQwen2ForCausalLM"),
-}
+#: the model types of converted models (:mod:`rfkit.models.configuration`)
+MODEL_TYPES = ("rf_llama", "rf_mistral", "rf_qwen2")
 DEFAULT_TRANSFORMERS = ">=5.0,<6"
 
 
@@ -58,9 +54,7 @@ def module_path(module: str) -> Path:
 
 
 def is_module(module: str) -> bool:
-    parts = module.split(".")[1:]
-    path = PACKAGE_ROOT.joinpath(*parts)
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+    return module_path(module).is_file()
 
 
 def file_name(module: str) -> str:
@@ -222,10 +216,14 @@ def generated_files() -> dict[str, str]:
 
 
 def auto_map(model_type: str) -> dict[str, str]:
-    """The ``auto_map`` entries of a converted model's ``config.json``."""
-    if model_type not in CLASSES:
-        raise ExportError(f"export: model_type '{model_type}' is not a converted model; allowed: {', '.join(CLASSES)}")
-    config_cls, model_cls = CLASSES[model_type]
+    """The ``auto_map`` entries of a converted model's ``config.json``: the classes rfkit registers
+    for ``model_type``, named in the generated files."""
+    from rfkit.models.modeling import _FAMILIES
+
+    classes = {config.model_type: (config.__name__, model.__name__) for config, model in _FAMILIES.values()}
+    if model_type not in classes:
+        raise ExportError(f"export: model_type '{model_type}' is not a converted model; allowed: {', '.join(classes)}")
+    config_cls, model_cls = classes[model_type]
     return {
         "AutoConfig": f"{ENTRY_FILES['rfkit.models.configuration']}.{config_cls}",
         "AutoModelForCausalLM": f"{ENTRY_FILES['rfkit.models.modeling']}.{model_cls}",
@@ -234,7 +232,7 @@ def auto_map(model_type: str) -> dict[str, str]:
 
 def exportable(config: dict) -> str | None:
     """None when a model of ``config.json`` (a dict) can carry its own code, else why not."""
-    if config.get("model_type") not in CLASSES:
+    if config.get("model_type") not in MODEL_TYPES:
         return f"model_type '{config.get('model_type')}' is not a converted model"
     operator = (config.get("rf_operator") or {}).get("class_path", "")
     from rfkit.classpath import public_path
@@ -244,9 +242,10 @@ def exportable(config: dict) -> str | None:
     return None
 
 
-def write_remote_code(directory: str | Path) -> list[str]:
-    """Write the generated code into model folder ``directory`` and its ``auto_map`` into the
-    folder's ``config.json`` (written whole, then renamed). Returns the files written."""
+def write_remote_code(directory: str | Path, files: dict[str, str] | None = None) -> list[str]:
+    """Write the generated code (``files``, default :func:`generated_files`) into model folder
+    ``directory`` and its ``auto_map`` into the folder's ``config.json`` (written whole, then
+    renamed). Returns the files written."""
     from rfkit.atomic import atomic_write_text
 
     directory = Path(directory)
@@ -256,7 +255,7 @@ def write_remote_code(directory: str | Path) -> list[str]:
     if reason:
         raise ExportError(f"export: '{directory}' cannot carry its own code: {reason}")
     written = []
-    for name, text in generated_files().items():
+    for name, text in (files or generated_files()).items():
         atomic_write_text(directory / name, text)
         written.append(name)
     config["auto_map"] = auto_map(config["model_type"])
