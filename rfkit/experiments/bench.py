@@ -137,8 +137,8 @@ def analytic_cache(model, batch: int = 1) -> dict:
     for layer in _layers(model):
         attn = layer.self_attn
         if isinstance(attn, RecurFormerAttention):
-            kv_heads += len(attn.kept_kv_heads) if attn.q_proj is not None else 0
-            state += attn.mixer.state_bytes(batch, attn.v_proj.weight.dtype)
+            kv_heads += len(attn.kept_kv_heads) if attn.has_kept else 0
+            state += attn.mixer.state_bytes(batch, attn.o_proj.weight.dtype)
         else:
             kv_heads += layout.num_kv_heads
     total_kv = layout.num_kv_heads * len(_layers(model))

@@ -4,6 +4,10 @@ Adapters are injected in place (``peft.inject_adapter_in_model``), so the conver
 its class and parameter names; :func:`merge_lora` folds them into the base weights and removes
 the peft layers, so a saved model needs no peft to load. The new blocks (``.mixer.``) never get
 adapters: they are trained directly.
+
+A converted layer holds its query, key and value rows in one packed ``qkv_proj``
+(:mod:`rfkit.models.modeling`): naming any of ``q_proj`` / ``k_proj`` / ``v_proj`` puts one
+adapter on it, so the recipes' target lists mean the same layers on converted and kept layers.
 """
 
 from __future__ import annotations
@@ -46,8 +50,13 @@ class LoraSettings:
             raise LoraError(f"model.lora.target_modules: {self.target_modules!r} is not allowed; a non-empty list of module names")
 
 
+PACKED = {"q_proj", "k_proj", "v_proj"}  # the projections a converted layer packs into qkv_proj
+
+
 def _targets(model: nn.Module, names: list[str]) -> list[str]:
-    """Full names of the linear layers matching ``names`` outside the new blocks."""
+    """Full names of the linear layers matching ``names`` outside the new blocks (a converted
+    layer's ``qkv_proj`` when any of the projections it packs is named)."""
+    names = list(names) + (["qkv_proj"] if PACKED & set(names) else [])
     found = []
     for full, module in model.named_modules():
         if ".mixer." in f"{full}." or not isinstance(module, nn.Linear):

@@ -2,17 +2,23 @@
 
 Inside one attention layer, with query heads split into kept (att) and replaced (m)::
 
-    V     = W_V X                      # values of all KV heads (W_V kept whole)
-    Q     = W_Q^part X                 # query projection of kept heads only
-    K     = W_K^part X                 # key projection of the KV heads that kept heads use
-    X_att = Attention(Q, K, V[att])
-    X_m   = Mixer(V[m])                # all replaced heads of the layer in one block
-    out   = W_O concat(X_att, X_m)     # W_O kept whole, columns stored as [kept..., replaced...]
+    [Q_att, Q_m, K_att, K_m, V_att, V_m] = W_QKV X     # one packed projection (qkv_proj)
+    Q_att, Q_m, K_att, K_m = RoPE(...)                 # one rotary call on the first four
+    X_att = Attention(Q_att, K_att, V_att)              # the kept heads and their KV heads
+    X_m   = Mixer(V_m)  or  Mixer(Q_m, K_m, V_m)        # all replaced heads of the layer in one block
+    out   = W_O concat(X_att, X_m)                      # W_O's columns stored as [kept..., replaced...]
 
-``W_O``'s input columns are permuted once at conversion so that the kept heads' and the
-replaced heads' outputs are simply concatenated, instead of scattered back to head order on
-every forward. The cache holds K/V of the kept KV heads only; the mixer's constant-size state
-lives beside it (see :mod:`rfkit.models.cache`).
+The rows of ``W_QKV`` are the pretrained ``W_Q`` / ``W_K`` / ``W_V`` rows of those heads, gathered
+and permuted once at conversion (``Q_m`` / ``K_m`` only for operators that read queries and keys,
+``inputs == "qkv"``), so a forward is one input GEMM, one RoPE call and views; ``W_O``'s input
+columns are permuted once too, so the two outputs are simply concatenated. The cache holds K/V of
+the kept KV heads only; the mixer's constant-size state lives beside it (see
+:mod:`rfkit.models.cache`).
+
+Format versions (``config.rf_format_version``): models saved before the packed projection (no
+field) held ``q_proj`` / ``k_proj`` / ``v_proj`` / ``mq_proj`` / ``mk_proj``. They are built in that
+layout, loaded as saved, and packed in place right after ``from_pretrained`` (the config then says
+:data:`PACKED_FORMAT`, so saving again writes the packed layout).
 
 Padding: attention sees padding through the usual 4-D mask, but a recurrent mixer would fold
 pad tokens into its state. The converted ``*ForCausalLM.forward`` therefore hands the current
@@ -33,12 +39,13 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, eager_attention_forward
 
-from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_state_store
+from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_counts, mixer_state_store
 from rfkit.models.configuration import RecurFormerLlamaConfig, RecurFormerMistralConfig, RecurFormerQwen2Config
 from rfkit.models.layout import AttentionLayout, GroupView, group_runs, projection_biases, sliding_window
 from rfkit.models.operators import ReplacementOperator
@@ -52,6 +59,22 @@ log = logging.getLogger(__name__)
 # precedence over ``attention_mask`` (generate does so itself for compileable caches, whose
 # ``attention_mask`` arrives already converted to 4-D).
 TOKEN_MASK_KWARG = "rf_token_mask"
+#: ``config.rf_format_version`` of models whose converted layers hold one packed ``qkv_proj``;
+#: configs without the field are of the earlier layout (module docstring)
+PACKED_FORMAT = 2
+
+
+def format_version(config) -> int:
+    """The layout version of a converted model's weights (1: before the packed projection)."""
+    return int(getattr(config, "rf_format_version", None) or 1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (B, H, L, hd) with the model's ``cos`` / ``sin`` (B, L, hd): the
+    formula of transformers' ``apply_rotary_pos_emb`` for one tensor holding queries and keys."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -70,7 +93,7 @@ def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | 
 class RecurFormerAttention(nn.Module):
     """An attention layer whose ``replaced`` query heads run through one mixer block."""
 
-    def __init__(self, config, layer_idx: int, replaced: list[int], operator: ReplacementOperator):
+    def __init__(self, config, layer_idx: int, replaced: list[int], operator: ReplacementOperator, packed: bool = True):
         super().__init__()
         layout = AttentionLayout.from_config(config)
         self.config, self.layer_idx = config, layer_idx
@@ -94,23 +117,41 @@ class RecurFormerAttention(nn.Module):
         self.num_key_value_groups = per_kv[0] if per_kv and len(set(per_kv)) == 1 else 1
         self._gather = bool(per_kv) and len(set(per_kv)) != 1
         self._group_runs = group_runs(per_kv) if self._gather else []
-        # Head index tensors are made on first use per device (_index), not kept as buffers:
-        # from_pretrained builds modules on the meta device and would leave them uninitialised.
-        self._index_cache: dict = {}
 
         qkv_bias, o_bias = projection_biases(config)
         hd, hidden = layout.head_dim, layout.hidden_size
-        self.q_proj = nn.Linear(hidden, len(kept) * hd, bias=qkv_bias) if kept else None
-        self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
-        self.v_proj = nn.Linear(hidden, layout.num_kv_heads * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
         # operators that keep attending (inputs "qkv") read the replaced heads' own queries and
-        # keys: their pretrained projections stay, as mq_proj / mk_proj
+        # keys: their pretrained rows stay in the packed projection
         self.mixer_reads_qk = getattr(operator, "inputs", "values") == "qkv"
-        self.mq_proj = self.mk_proj = None
+        # The packed projection's heads, in row order (module docstring): name -> (start, stop)
+        # in units of head_dim rows. Kept and replaced parts may share a KV head (head granularity):
+        # its K/V rows then appear in both, so every part is a contiguous slice.
+        counts = {
+            "q": len(kept),
+            "mq": len(replaced) if self.mixer_reads_qk else 0,
+            "k": len(kept_kv) if kept else 0,
+            "mk": len(mixer_kv) if self.mixer_reads_qk else 0,
+            "v": len(kept_kv) if kept else 0,
+            "mv": len(mixer_kv),
+        }
+        self.parts, start = {}, 0
+        for name, count in counts.items():
+            self.parts[name] = (start, start + count)
+            start += count
+        self.rotated_heads = self.parts["mk"][1]  # q, mq, k, mk: the heads RoPE applies to
+        self.has_kept = bool(kept)
+        self.qkv_proj = None
+        self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
+        if packed:
+            self.qkv_proj = nn.Linear(hidden, start * hd, bias=qkv_bias)
+        else:  # a model saved before the packed projection: loaded as saved, then pack_legacy()
+            self.q_proj = nn.Linear(hidden, len(kept) * hd, bias=qkv_bias) if kept else None
+            self.k_proj = nn.Linear(hidden, len(kept_kv) * hd, bias=qkv_bias) if kept else None
+            self.v_proj = nn.Linear(hidden, layout.num_kv_heads * hd, bias=qkv_bias)
+            if self.mixer_reads_qk:
+                self.mq_proj = nn.Linear(hidden, len(replaced) * hd, bias=qkv_bias)
+                self.mk_proj = nn.Linear(hidden, len(mixer_kv) * hd, bias=qkv_bias)
         if self.mixer_reads_qk:
-            self.mq_proj = nn.Linear(hidden, len(replaced) * hd, bias=qkv_bias)
-            self.mk_proj = nn.Linear(hidden, len(mixer_kv) * hd, bias=qkv_bias)
             kv_for_query = [mixer_kv.index(layout.kv_head_of(h)) for h in replaced]
             d_in = (len(replaced) + 2 * len(mixer_kv)) * hd
             self.mixer = operator.build(
@@ -120,31 +161,68 @@ class RecurFormerAttention(nn.Module):
             self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
 
     # -- conversion -------------------------------------------------------------------------
+    def _rows(self, tensor: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """The ``head_dim``-row blocks of ``heads`` in a projection's weight or bias, in order."""
+        hd = self.head_dim
+        return torch.cat([tensor[h * hd : (h + 1) * hd] for h in heads]) if heads else tensor[:0]
+
+    def _pack(self, q, mq, k, mk, v_all) -> torch.Tensor:
+        """The packed projection's weight (or bias) from the kept heads' queries ``q`` and keys
+        ``k``, the replaced heads' ``mq`` / ``mk`` (None when the mixer reads values only) and the
+        values of every KV head ``v_all``, in the row order of :attr:`parts`."""
+        v, mv = (self._rows(v_all, heads) for heads in (self.kept_kv_heads, self.mixer_kv_heads))
+        parts = (q, mq, k, mk, v, mv) if self.has_kept else (None, mq, None, mk, None, mv)
+        return torch.cat([t for t in parts if t is not None])
+
     @torch.no_grad()
     def load_from_attention(self, attn: nn.Module) -> None:
-        """Copy the pretrained projections of an HF attention module (sliced / permuted)."""
+        """Copy the pretrained projections of an HF attention module (gathered / permuted)."""
         hd = self.head_dim
-
-        def rows(weight, heads):
-            return torch.cat([weight[h * hd : (h + 1) * hd] for h in heads]) if heads else weight[:0]
-
-        # kept heads' Q/K, and (window operators) the replaced heads' own Q/K
-        for q_proj, k_proj, heads, kv_heads in (
-            (self.q_proj, self.k_proj, self.kept_heads, self.kept_kv_heads),
-            (self.mq_proj, self.mk_proj, self.replaced_heads, self.mixer_kv_heads),
-        ):
-            if q_proj is None:
+        all_kv = list(range(attn.v_proj.weight.shape[0] // hd))
+        for name in ("weight", "bias"):
+            if getattr(attn.v_proj, name) is None:
                 continue
-            for mine, theirs, picked in ((q_proj, attn.q_proj, heads), (k_proj, attn.k_proj, kv_heads)):
-                mine.weight.copy_(rows(theirs.weight, picked))
-                if mine.bias is not None:
-                    mine.bias.copy_(rows(theirs.bias, picked))
-        self.v_proj.load_state_dict(attn.v_proj.state_dict())
+            q, k, v = (getattr(getattr(attn, proj), name) for proj in ("q_proj", "k_proj", "v_proj"))
+            parts = {  # the pre-packing modules, each with its rows
+                "q_proj": self._rows(q, self.kept_heads) if self.has_kept else None,
+                "mq_proj": self._rows(q, self.replaced_heads) if self.mixer_reads_qk else None,
+                "k_proj": self._rows(k, self.kept_kv_heads) if self.has_kept else None,
+                "mk_proj": self._rows(k, self.mixer_kv_heads) if self.mixer_reads_qk else None,
+                "v_proj": self._rows(v, all_kv),
+            }
+            if self.qkv_proj is not None:
+                getattr(self.qkv_proj, name).copy_(self._pack(*parts.values()))
+                continue
+            for module, rows in parts.items():  # a model being built in the pre-packing layout
+                if rows is not None:
+                    getattr(getattr(self, module), name).copy_(rows)
         order = self.kept_heads + self.replaced_heads
         self.o_proj.weight.copy_(torch.cat([attn.o_proj.weight[:, h * hd : (h + 1) * hd] for h in order], dim=1))
         if self.o_proj.bias is not None:
             self.o_proj.bias.copy_(attn.o_proj.bias)
         self.to(attn.v_proj.weight.device)
+
+    @torch.no_grad()
+    def pack_legacy(self) -> None:
+        """Pack the separate projections of a model saved before :data:`PACKED_FORMAT` into
+        ``qkv_proj`` (same device, dtype and ``requires_grad``) and drop them."""
+        if self.qkv_proj is not None:
+            return
+        names = ("q_proj", "mq_proj", "k_proj", "mk_proj", "v_proj")
+        old = {name: getattr(self, name, None) for name in names}
+        ref = old["v_proj"].weight
+        packed = {}
+        for field in ("weight", "bias"):
+            if getattr(old["v_proj"], field) is not None:
+                packed[field] = self._pack(*(None if old[n] is None else getattr(old[n], field) for n in names))
+        proj = nn.Linear(ref.shape[1], packed["weight"].shape[0], bias="bias" in packed, device=ref.device, dtype=ref.dtype)
+        for field, value in packed.items():
+            getattr(proj, field).copy_(value)
+            getattr(proj, field).requires_grad_(ref.requires_grad)
+        for name in names:
+            if hasattr(self, name):
+                delattr(self, name)
+        self.qkv_proj = proj
 
     # -- forward ----------------------------------------------------------------------------
     def forward(
@@ -162,80 +240,63 @@ class RecurFormerAttention(nn.Module):
         # (B, L) token mask of this chunk, set by the converted CausalLM only when it holds padding;
         # popped so that the attention interface never sees it.
         token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
+        if self._decode_ready(hidden_states, past_key_values, token_mask):
+            return self._decode(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs), None
         B, L, _ = hidden_states.shape
-        hd = self.head_dim
         query, key, value, mixer_qkv = self._project(hidden_states, position_embeddings)
         outputs = []
         if query is not None:
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)
-            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-            settings = dict(
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                sliding_window=self.sliding_window,
-                **kwargs,
-            )
-            if not self._gather:
-                attn_out, _ = attention(self, query, key, value, attention_mask, **settings)
-            else:
-                parts = []
-                for (q0, q1), (k0, k1), groups in self._group_runs:
-                    part, _ = attention(
-                        GroupView(self, groups), query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask, **settings
-                    )
-                    parts.append(part)
-                attn_out = torch.cat(parts, dim=2)  # (B, L, Hq_kept, hd), heads in kept order
-            outputs.append(attn_out.reshape(B, L, -1))  # (B, L, Hq_kept * hd)
+            outputs.append(self._attend(query, key, value, attention_mask, kwargs).reshape(B, L, -1))  # (B, L, Hq_kept * hd)
         elif past_key_values is not None:
             # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
-            empty = hidden_states.new_zeros(B, 0, L, hd)
+            empty = hidden_states.new_zeros(B, 0, L, self.head_dim)
             past_key_values.update(empty, empty, self.layer_idx)
             count_headless_tokens(past_key_values, self.layer_idx)
         outputs.append(self._mix(mixer_qkv, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
 
-    def _project(self, hidden_states: torch.Tensor, position_embeddings):
-        """Every projection of the layer, each computed once: the kept heads' rotated query, key
-        and value ``(B, H, L, hd)`` (None without kept heads) and what the mixer reads: the
-        replaced heads' KV-head values ``(B, L, Hkv_m * hd)``, or for ``qkv`` operators their
-        rotated ``(q, k, v)`` in ``(B, H, L, hd)``. Kept and replaced queries (and keys) are
-        rotated in one call, then sliced apart as views."""
-        B, L, _ = hidden_states.shape
-        hd = self.head_dim
-        values = self.v_proj(hidden_states).view(B, L, -1, hd)  # (B, L, Hkv, hd)
-        mixer_v = self._heads(values, "mixer_kv_heads")
-        query = key = value = None
-        q_parts, k_parts = [], []
-        if self.q_proj is not None:
-            q_parts.append(self.q_proj(hidden_states))
-            k_parts.append(self.k_proj(hidden_states))
-            value = self._heads(values, "kept_kv_heads").transpose(1, 2)  # (B, Hkv_kept, L, hd)
-        if self.mixer_reads_qk:
-            q_parts.append(self.mq_proj(hidden_states))
-            k_parts.append(self.mk_proj(hidden_states))
-        if not q_parts:
-            return None, None, None, mixer_v.reshape(B, L, -1)
-        q = (q_parts[0] if len(q_parts) == 1 else torch.cat(q_parts, -1)).view(B, L, -1, hd).transpose(1, 2)
-        k = (k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, -1)).view(B, L, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        n_q = len(self.kept_heads) if self.q_proj is not None else 0
-        n_k = len(self.kept_kv_heads) if self.q_proj is not None else 0
-        if self.q_proj is not None:
-            query, key = q[:, :n_q], k[:, :n_k]
-        if not self.mixer_reads_qk:
-            return query, key, value, mixer_v.reshape(B, L, -1)
-        return query, key, value, (q[:, n_q:], k[:, n_k:], mixer_v.transpose(1, 2))
+    def _attend(self, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        """The kept heads' attention through the model's attention interface: ``(B, L, Hq_kept, hd)``."""
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        settings = dict(
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        if not self._gather:
+            return attention(self, query, key, value, attention_mask, **settings)[0]
+        parts = []
+        for (q0, q1), (k0, k1), groups in self._group_runs:
+            part, _ = attention(GroupView(self, groups), query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], attention_mask, **settings)
+            parts.append(part)
+        return torch.cat(parts, dim=2)  # heads in kept order
 
-    def _heads(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        """``values`` (B, L, Hkv, hd) of the KV heads listed in ``name``: a view when they are
-        a contiguous range, else one index_select."""
-        heads = getattr(self, name)
-        if heads and heads == list(range(heads[0], heads[0] + len(heads))):
-            return values[:, :, heads[0] : heads[0] + len(heads)]
-        return values.index_select(2, self._index(name, values.device))
+    def _project(self, hidden_states: torch.Tensor, position_embeddings):
+        """Every projection of the layer from one GEMM: the kept heads' rotated query, key and
+        value ``(B, H, L, hd)`` (None without kept heads) and what the mixer reads: the replaced
+        heads' KV-head values ``(B, L, Hkv_m * hd)``, or for ``qkv`` operators their rotated
+        ``(q, k, v)`` in ``(B, H, L, hd)``. Queries and keys are rotated in one call; every part
+        is a view of the packed output."""
+        if self.qkv_proj is None:  # built from a pre-packing config without from_pretrained
+            self.pack_legacy()
+        B, L, _ = hidden_states.shape
+        heads = self.qkv_proj(hidden_states).view(B, L, -1, self.head_dim).transpose(1, 2)  # (B, N, L, hd)
+        rotated = rotate(heads[:, : self.rotated_heads], *position_embeddings) if self.rotated_heads else None
+        query = key = value = None
+        if self.has_kept:
+            query, key, value = self._part(rotated, "q"), self._part(rotated, "k"), self._part(heads, "v")
+        mixer_v = self._part(heads, "mv")
+        if not self.mixer_reads_qk:
+            return query, key, value, mixer_v.transpose(1, 2).reshape(B, L, -1)
+        return query, key, value, (self._part(rotated, "mq"), self._part(rotated, "mk"), mixer_v)
+
+    def _part(self, heads: torch.Tensor, name: str) -> torch.Tensor:
+        """The heads of part ``name`` (:attr:`parts`) of a packed ``(B, N, L, hd)`` tensor: a view."""
+        start, stop = self.parts[name]
+        return heads[:, start:stop]
 
     def mixer_input(self, hidden_states: torch.Tensor, position_embeddings, values: torch.Tensor | None = None) -> torch.Tensor:
         """What the mixer reads, packed (B, L, d_in): the replaced heads' KV-head values, preceded
@@ -246,12 +307,6 @@ class RecurFormerAttention(nn.Module):
             return mixer_in
         B, L, _ = hidden_states.shape
         return torch.cat([t.transpose(1, 2).reshape(B, L, -1) for t in mixer_in], dim=-1)
-
-    def _index(self, name: str, device) -> torch.Tensor:
-        key = (name, device)
-        if key not in self._index_cache:
-            self._index_cache[key] = torch.tensor(getattr(self, name), dtype=torch.long, device=device)
-        return self._index_cache[key]
 
     def _mix(self, x, cache, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the mixer on ``x``: a packed (B, L, d_in) tensor, or for ``qkv`` operators the
@@ -281,17 +336,72 @@ class RecurFormerAttention(nn.Module):
         # an FSDP unit, which gathers the mixer's weights, see every training and prefill forward
         if cache is None:
             return self.mixer(x, **extra)
-        store = mixer_state_store(cache)
+        store, counts = mixer_state_store(cache), mixer_counts(cache)
         state = store.get(self.layer_idx)
+        length = x[0].shape[-2] if split else x.shape[1]
+        seen = counts.get(self.layer_idx) if state is not None else 0
         if state is None:
             out, state = self.mixer(x, return_states=True, **extra)
-        elif (x[0].shape[-2] if split else x.shape[1]) == 1:
+        elif length == 1:
             # A decode step: one real token (padding only ever precedes a prompt).
-            out, *state = self.mixer.step_qkv(*x, *state) if split else self.mixer.step(x, *state)
+            out, *state = self._mixer_step(x, split, state, seen)
         else:
             out, state = self.mixer(x, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
+        counts[self.layer_idx] = None if seen is None or extra else seen + length
         return out
+
+    def _mixer_step(self, x, split: bool, state, seen: int | None):
+        """The mixer's one-token step, told the host count when it takes one (``takes_seen``)."""
+        step = self.mixer.step_qkv if split else self.mixer.step
+        if getattr(self.mixer, "takes_seen", False):
+            return step(*x, *state, seen=seen) if split else step(x, *state, seen=seen)
+        return step(*x, *state) if split else step(x, *state)
+
+    # -- one decode token ---------------------------------------------------------------------
+    def _decode_ready(self, hidden_states: torch.Tensor, cache, token_mask) -> bool:
+        """Whether :meth:`_decode` serves this call: one token in inference with a cache that holds
+        this layer's mixer state already (a step, not a prefill)."""
+        if cache is None or token_mask is not None or self.training or self.qkv_proj is None:
+            return False
+        if hidden_states.shape[1] != 1 or torch.is_grad_enabled():
+            return False
+        return self.layer_idx in mixer_state_store(cache)
+
+    def _decode(self, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> torch.Tensor:
+        """One decode token through the layer with the fewest tensor ops: one GEMM, one rotary call,
+        views of the packed heads, the kept heads' attention (SDPA directly when the model uses
+        it and there is no mask or sliding window) and the mixer's step; ``(B, 1, hidden)``. The
+        same ops on every device."""
+        heads = self.qkv_proj(hidden_states).view(-1, self.parts["mv"][1], 1, self.head_dim)  # (B, N, 1, hd): L = 1
+        rotated = rotate(heads[:, : self.rotated_heads], *position_embeddings) if self.rotated_heads else None
+        outputs = []
+        if self.has_kept:
+            key, value = cache.update(self._part(rotated, "k"), self._part(heads, "v"), self.layer_idx)
+            outputs.append(self._attend_one(self._part(rotated, "q"), key, value, attention_mask, kwargs))
+        else:
+            empty = heads.new_zeros(heads.shape[0], 0, 1, self.head_dim)
+            cache.update(empty, empty, self.layer_idx)
+            count_headless_tokens(cache, self.layer_idx)
+        mixer_v = self._part(heads, "mv")
+        if self.mixer_reads_qk:
+            x = (self._part(rotated, "mq"), self._part(rotated, "mk"), mixer_v)
+        else:
+            x = mixer_v.reshape(-1, 1, len(self.mixer_kv_heads) * self.head_dim)
+        outputs.append(self._mix(x, cache))  # (B, 1, Hq_m * hd)
+        return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0])
+
+    def _attend_one(self, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        """The kept heads' attention for one query token ``(B, Hq, 1, hd)`` -> ``(B, 1, Hq * hd)``."""
+        if (
+            attention_mask is None
+            and self.sliding_window is None
+            and not self._gather
+            and self.config._attn_implementation == "sdpa"
+        ):
+            out = F.scaled_dot_product_attention(query, key, value, scale=self.scaling, enable_gqa=self.num_key_value_groups > 1)
+            return out.reshape(-1, 1, self.parts["q"][1] * self.head_dim)
+        return self._attend(query, key, value, attention_mask, kwargs).reshape(-1, 1, self.parts["q"][1] * self.head_dim)
 
 
 # -- conversion of a loaded model -------------------------------------------------------------
@@ -299,8 +409,9 @@ def decoder_layers(model) -> nn.ModuleList:
     return model.get_decoder().layers
 
 
-def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator) -> dict[int, nn.Module]:
-    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer.
+def convert_attention(model, selected: list[list[int]], operator: ReplacementOperator, packed: bool = True) -> dict[int, nn.Module]:
+    """Swap attention modules in place: every layer with selected heads gets a RecurFormer layer
+    (``packed=False``: in the layout of models saved before :data:`PACKED_FORMAT`, for loading them).
 
     Returns the original attention modules that were swapped out, by layer index (the shared
     teacher of :mod:`rfkit.training.teacher` puts them back to run the original model).
@@ -313,13 +424,27 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
         old = layers[layer_idx].self_attn
         base = old.v_proj.weight.dtype
         with default_dtype(torch.float32):  # new weights start in float32, whatever the caller's default
-            new = RecurFormerAttention(model.config, layer_idx, heads, operator)
+            new = RecurFormerAttention(model.config, layer_idx, heads, operator, packed=packed)
         for child in new.children():  # the pretrained projections in the base's dtype, the mixer in
             child.to(dtype=new_weight_dtype(base) if child is new.mixer else base)  # float32 beside a half base
         new.load_from_attention(old)
         layers[layer_idx].self_attn = new
         originals[layer_idx] = old
     return originals
+
+
+def pack_legacy_model(model) -> int:
+    """Pack the projections of every converted layer still in the pre-:data:`PACKED_FORMAT`
+    layout and record the new format in the config; returns how many layers were packed."""
+    packed = 0
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        if isinstance(attn, RecurFormerAttention) and attn.qkv_proj is None:
+            attn.pack_legacy()
+            packed += 1
+    if getattr(model.config, "rf_selected", None):
+        model.config.rf_format_version = PACKED_FORMAT
+    return packed
 
 
 # -- HF classes for converted models ----------------------------------------------------------
@@ -342,7 +467,16 @@ class _RecurFormerCausalLM:
     def __init__(self, config):
         super().__init__(config)
         if config.rf_selected:
-            convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator))
+            packed = format_version(config) >= PACKED_FORMAT
+            convert_attention(self, config.rf_selected, ReplacementOperator.from_dict(config.rf_operator), packed=packed)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As the base; a model saved before :data:`PACKED_FORMAT` is loaded as saved and its
+        converted layers' projections are then packed in place (:func:`pack_legacy_model`)."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        pack_legacy_model(loaded[0] if isinstance(loaded, tuple) else loaded)  # (model, info) with output_loading_info
+        return loaded
 
     # The explicit signature matters: generate() inspects forward's parameters (it only builds
     # position_ids for left-padded batches when ``position_ids`` is one of them).
@@ -446,8 +580,8 @@ def to_recurformer(model, selected: list[list[int]], operator: ReplacementOperat
     rf_cfg_cls, rf_model_cls = _FAMILIES[layout.model_type]
     originals = convert_attention(model, selected, operator)
     old = model.config
-    fields = {k: v for k, v in old.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
-    new = rf_cfg_cls(rf_selected=[list(s) for s in selected], rf_operator=operator.to_dict(), **fields)
+    fields = {k: v for k, v in old.to_dict().items() if k not in ("model_type", "architectures", "transformers_version", "rf_format_version")}
+    new = rf_cfg_cls(rf_selected=[list(s) for s in selected], rf_operator=operator.to_dict(), rf_format_version=PACKED_FORMAT, **fields)
     new._attn_implementation = old._attn_implementation
     new.architectures = [rf_model_cls.__name__]
     for module in model.modules():

@@ -111,7 +111,7 @@ class SharedTeacher:
         flags = [(p, p.requires_grad) for m in lora for p in m.parameters()]
         try:
             for i, original in self.originals.items():
-                ref = layers[i].self_attn.v_proj.weight
+                ref = layers[i].self_attn.o_proj.weight
                 if original.v_proj.weight.device != device or original.v_proj.weight.dtype != ref.dtype:
                     original.to(device=device, dtype=ref.dtype)
                 swapped[i] = layers[i].self_attn

@@ -1,10 +1,13 @@
 """The RecurFormer layer against the untouched model, the cache, and save/load."""
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import random_ids, tiny_model
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from rfkit.conversion.convert import save_converted
@@ -12,7 +15,7 @@ from rfkit.conversion.headmap import HeadMap
 from rfkit.conversion.policies import ExplicitHeads
 from rfkit.models.cache import cache_bytes, measure_cache
 from rfkit.models.layout import AttentionLayout
-from rfkit.models.modeling import RecurFormerAttention, to_recurformer
+from rfkit.models.modeling import PACKED_FORMAT, RecurFormerAttention, to_recurformer
 from rfkit.models.operators import MambaOperator
 
 FAMILIES = [("llama", 4, 4), ("llama", 4, 2), ("qwen2", 4, 2), ("mistral", 4, 1)]
@@ -118,6 +121,47 @@ def test_save_and_load_restore_identical_logits(tmp_path, family):
     ids = random_ids()
     torch.testing.assert_close(loaded(ids).logits, converted(ids).logits, atol=0, rtol=0)
     assert HeadMap.load(out / "head_map.json").selected == selected
+
+
+PREVIOUS = Path(__file__).resolve().parents[1] / "fixtures" / "previous_release"
+
+
+@pytest.mark.parametrize("name", ["hybrid_8774ff5", "mamba_qwen2_c8f94e5"])
+def test_models_saved_before_the_packed_projection_load_unchanged_and_save_packed(tmp_path, name):
+    """Folders saved by earlier releases (separate q/k/v and mq/mk projections; the Qwen2 one with
+    biases) load with the logits that release computed, are packed on load, and save packed."""
+    folder = PREVIOUS / name
+    assert "rf_format_version" not in json.loads((folder / "config.json").read_text())
+    reference = torch.load(folder / "reference.pt")
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+        torch.testing.assert_close(model(reference["ids"]).logits, reference["logits"], atol=1e-5, rtol=1e-5)
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert all(isinstance(a, RecurFormerAttention) and a.qkv_proj is not None for a in layers)
+    assert not [n for n, _ in model.named_parameters() if any(f".{p}." in n for p in ("q_proj", "k_proj", "v_proj", "mq_proj", "mk_proj"))]
+    assert model.config.rf_format_version == PACKED_FORMAT
+    model.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["rf_format_version"] == PACKED_FORMAT
+    with safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as f:
+        attention_keys = {k.rsplit(".", 2)[-2] for k in f.keys() if ".self_attn." in k and ".mixer." not in k}
+    assert attention_keys == {"qkv_proj", "o_proj"}
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again")).eval()
+        torch.testing.assert_close(again(reference["ids"]).logits, reference["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_converted_layer_makes_one_projection_call_per_forward():
+    model = convert(tiny_model("qwen2", 4, 2), [[0, 2], [1]])  # head granularity: both KV heads serve both parts
+    calls = []
+    for layer in model.model.layers:
+        for module in layer.self_attn.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    model(random_ids())
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [m for m in calls if any(m is a.qkv_proj for a in attn)] == [a.qkv_proj for a in attn]
+    assert attn[0].parts == {"q": (0, 2), "mq": (2, 2), "k": (2, 4), "mk": (4, 4), "v": (4, 6), "mv": (6, 8)}
 
 
 def test_zero_initialised_output_starts_from_the_silenced_heads():

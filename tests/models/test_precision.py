@@ -100,8 +100,8 @@ def test_new_weight_modules_are_each_mixer_and_each_adapter_layer():
     apply_lora(model, LoraSettings(r=2, target_modules=["q_proj", "o_proj"]))
     found = {name for name, module in model.named_modules() if any(module is m for m in new_weight_modules(model))}
     assert found == {f"model.layers.{i}.self_attn.mixer" for i in (0, 1)} | {
-        f"model.layers.{i}.self_attn.{proj}.lora_{ab}.default" for i in (0, 1) for proj in ("q_proj", "o_proj") for ab in "AB"
-    }
+        f"model.layers.{i}.self_attn.{proj}.lora_{ab}.default" for i in (0, 1) for proj in ("qkv_proj", "o_proj") for ab in "AB"
+    }  # "q_proj" names the converted layers' packed projection
     held = {id(p) for m in new_weight_modules(model) for p in m.parameters()}
     new = {id(p) for n, p in model.named_parameters() if ".mixer." in n or ".lora_" in n}
     assert held == new  # every new weight, and nothing else

@@ -237,7 +237,7 @@ def test_lora_merge_gives_identical_logits_and_plain_layers(tmp_path):
 
     _, model = converted()
     count = apply_lora(model, LoraSettings(r=4))
-    assert count == 2 * 7 - 0  # q, k, v, o, gate, up, down in both layers
+    assert count == 2 * 5  # qkv (packed: q, k, v named), o, gate, up, down in both converted layers
     torch.manual_seed(5)
     for _, layer in lora_layers(model):
         nn.init.normal_(layer.lora_B["default"].weight, std=0.05)  # a trained, non-zero adapter
