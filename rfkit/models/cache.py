@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 from rfkit.errors import RFKitError
 
 _STATE_ATTR = "rfkit_mixer_states"
+_COUNT_ATTR = "rfkit_mixer_counts"
 #: the name under which the installed transformers passes the KV cache: ``cache`` from 5.24,
 #: ``past_key_values`` before
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
@@ -45,6 +46,17 @@ def mixer_state_store(cache) -> dict:
         setattr(cache, _STATE_ATTR, store)
         cache.__class__ = _tracking_class(type(cache))
     return store
+
+
+def mixer_counts(cache) -> dict:
+    """Per layer, the tokens every row of the cache's mixer states has seen, counted on the host
+    by the converted layers (None once rows differ: a padded chunk). A decode step reads its
+    ring slot from it instead of from the device (``WindowAttention.step_qkv``'s ``seen``)."""
+    counts = getattr(cache, _COUNT_ATTR, None)
+    if counts is None:
+        counts = {}
+        setattr(cache, _COUNT_ATTR, counts)
+    return counts
 
 
 class CacheCropError(RFKitError):
@@ -98,6 +110,7 @@ class MixerStatesCache:
     def reset(self):
         super().reset()
         getattr(self, _STATE_ATTR, {}).clear()
+        getattr(self, _COUNT_ATTR, {}).clear()
 
     @property
     def is_croppable(self) -> bool:

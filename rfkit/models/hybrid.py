@@ -306,17 +306,64 @@ class HybridWindowAttention(WindowAttention):
         return super()._next_state(state, ctx, seen, L) + (S, z)
 
     # -- one decode token ------------------------------------------------------------------------
+    def step_constants(self, dtype, device) -> dict:
+        """The decode step's weights in ``dtype``: the feature maps with their negation appended
+        (one softmax over a ``(2, f/2)`` view gives ``phi``), per KV head and per query group,
+        ``log g`` per query head and the decay ``gamma`` per KV head (None without decay)."""
+        both = lambda maps: torch.cat([maps, -maps], -1).to(device, dtype)  # noqa: E731
+        gamma = None if self.log_horizon is None else self.log_decay().exp().to(device, dtype)
+        return {
+            "maps": both(self.feature_map),  # (Hkv, hd, f)
+            "group_maps": both(self._group_maps()),  # (G, hd, f)
+            "log_g": (self.gate.clamp_min(0).log() + self.log_scale).to(device, dtype).view(-1, self.rep, 1, 1),
+            "gamma_S": None if gamma is None else gamma.view(1, -1, 1, 1),
+            "gamma_z": None if gamma is None else gamma.view(1, -1, 1),
+        }
+
+    def _fold_evicted(self, state, slot: int, constants: dict) -> None:
+        """Fold the key and value in ``slot`` (rank ``seen - w``, real in the steady state) into
+        ``S`` and ``z``, after aging them by one token."""
+        keys, values, _, S, z = state
+        # (B, Hkv, 1, hd): a slice, not an index, so that a compiled step keeps the slot symbolic
+        k_old, v_old = keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1]
+        if constants["cast"]:  # half-precision K/V beside float32 sums
+            k_old, v_old = k_old.to(S.dtype), v_old.to(S.dtype)
+        phi = torch.einsum("bhqd,hdf->bhf", k_old, constants["maps"]).unflatten(-1, (2, -1)).softmax(-1).flatten(-2)
+        if constants["gamma_S"] is not None:
+            S.mul_(constants["gamma_S"])
+            z.mul_(constants["gamma_z"])
+        S.add_(torch.einsum("bhf,bhqd->bhfd", phi, v_old))
+        z.add_(phi)
+
+    def _read_window(self, q, keys, values, state, constants: dict) -> torch.Tensor:
+        """The token's output ``(B, 1, d_out)``: softmax over the ``s + w`` slots and the state's
+        read-out under one normaliser. With ``lse`` the log-sum-exp of the window scores and
+        ``o`` the window's softmax output, ``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` is
+        ``(o + w a) / (1 + w zl)`` with ``w = g e^{-lse}`` (``lse`` clamped from below where the
+        other paths clamp ``m``; the two agree unless every window score is below -60)."""
+        if constants["cast"]:
+            dtype = q.dtype
+            q, keys, values = q.to(state[3].dtype), keys.to(state[3].dtype), values.to(state[3].dtype)
+        qg = q.unflatten(1, (-1, self.rep))  # (B, G, rep, 1, hd)
+        keys, values, S, z = (t if self.grouped else self._per_query(t) for t in (keys, values, state[3], state[4]))
+        scores = torch.einsum("bgrqd,bgsd->bgrqs", qg, keys).mul_(self.scaling)
+        lse = scores.logsumexp(-1, keepdim=True)
+        o = torch.einsum("bgrqs,bgsd->bgrqd", scores.sub_(lse).exp_(), values)
+        phi_q = torch.einsum("bgrqd,gdf->bgrqf", qg, constants["group_maps"]).unflatten(-1, (2, -1)).softmax(-1).flatten(-2)
+        a = torch.einsum("bgrqf,bgfd->bgrqd", phi_q, S)
+        zl = torch.einsum("bgrqf,bgf->bgrq", phi_q, z).unsqueeze(-1)
+        w = (constants["log_g"] - lse.clamp_min(_MIN_MAX_SCORE)).exp_()
+        y = torch.addcmul(o, w, a).div_(w.mul_(zl).add_(1.0)).reshape(-1, 1, self.d_out)
+        return y.to(dtype) if constants["cast"] else y
+
     def _before_write(self, state, slot, rows) -> None:
-        """Fold the key that the new token evicts from the ring (rank ``seen - w``) into S, z."""
+        """Fold the key that the new token evicts from each row's ring slot ``slot[b]`` (rank
+        ``seen - w``, if that is a real token past the sink) into S, z (the per-row step)."""
         keys, values, seen, S, z = state
-        if rows is None:  # steady state: every row evicts a real old token
-            k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
-        else:
-            k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
+        k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
         k_old, v_old = k_old.to(S.dtype), v_old.to(S.dtype)  # K/V may be half precision, the sums are not
         phi = _phi(k_old.unsqueeze(2) @ self._maps(k_old.dtype))[:, :, 0]  # (B, Hkv, f)
-        if rows is not None:
-            phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
+        phi = phi * (seen - self.window >= self.sink).to(phi.dtype)[:, None, None]
         if self.log_horizon is not None:  # every step ages the state by one token
             gamma = self._cached(("gamma", S.dtype, S.device), lambda: self.log_decay().exp().to(S.device, S.dtype))
             S.mul_(gamma[None, :, None, None])

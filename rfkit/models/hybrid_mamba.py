@@ -38,7 +38,8 @@ At head_dim 64, ``N = 16`` is 1,024 numbers per KV head, the K/V of 8 tokens: si
 + N 16 holds exactly the bytes of sink 4 + window 64. The window's three paths carry ``h`` too:
 
 - decode step: :meth:`_before_write` folds the one key and value that the new token evicts from
-  the ring into ``h``, in place; :meth:`_step_combine` adds the gated read-out.
+  the ring into ``h``, in place (through :meth:`_fold_evicted` in the steady step);
+  :meth:`_step_combine` adds the gated read-out.
 - tiled prefill: the window's first ``L`` recent keys in rank order (ring, then chunk; ranks
   ``seen - w + i``) are exactly what the chunk evicts, in order, and query ``i`` reads the state
   right after the ``i``-th: one chunked scan gives every read-out and the next ``h``.
@@ -230,12 +231,17 @@ class HybridMambaAttention(WindowAttention):
         return super()._next_state(state, ctx, seen, L) + (ctx["ssm"],)
 
     # -- one decode token ------------------------------------------------------------------------
+    def _fold_evicted(self, state, slot: int, constants: dict) -> None:
+        self._before_write(state, slot, None)
+
+    _read_window = WindowAttention._combined_read
+
     def _before_write(self, state, slot, rows) -> None:
         """Fold the key and value that the new token evicts from the ring (rank ``seen - w``)
         into ``h``, in place."""
         keys, values, seen, h = state
-        if rows is None:  # steady state: every row evicts a real old token
-            k_old, v_old = keys[:, :, slot], values[:, :, slot]  # (B, Hkv, hd)
+        if rows is None:  # steady state: every row evicts a real old token (a slice: see the hybrid's)
+            k_old, v_old = keys[:, :, slot : slot + 1, :][:, :, 0], values[:, :, slot : slot + 1, :][:, :, 0]  # (B, Hkv, hd)
         else:
             k_old, v_old = keys[rows, :, slot], values[rows, :, slot]
         k_old, v_old = k_old.to(h.dtype), v_old.to(h.dtype)  # K/V may be half precision, h is not

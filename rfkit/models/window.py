@@ -39,6 +39,8 @@ float64):
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -359,53 +361,127 @@ class WindowAttention(ReplacementMixer):
         """One decode token (B, 1, d_in): ``(out, *state)``, the state updated in place."""
         return self.step_qkv(*self._split(x), *state)
 
-    def step_qkv(self, q, k, v, *state):
-        """As :meth:`step`, from the token's rotated query, key and value split by head."""
+    #: ``step_qkv`` takes ``seen=``: the tokens every row has seen, when the caller knows it on the
+    #: host (the converted layer counts them); the step then needs no per-row bookkeeping
+    takes_seen = True
+    #: the compiled steady step (:meth:`compile_step`), None: eager
+    _compiled_steady = None
+
+    def step_qkv(self, q, k, v, *state, seen: int | None = None):
+        """As :meth:`step`, from the token's rotated query, key and value split by head
+        ``(B, H, 1, hd)``.
+
+        ``seen`` is the number of real tokens every row has seen before this one, when the caller
+        knows it (None: rows may differ, e.g. after a left-padded prompt). Past the first
+        ``sink + window`` tokens the slot the token goes to is then a host integer and the step is
+        one fixed sequence of tensor ops, the same on every device, with no host sync
+        (:meth:`_steady_step`; :meth:`compile_step` compiles it). Otherwise every row's slot is
+        computed on the device (:meth:`_row_step`). On CPU in float32 the compiled C step runs."""
         if not self.fast or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             general = lambda q, k, v, state, _, mask: self._general(q, k, v, state, mask, self.window, True)  # noqa: E731
             out, new = self._in_compute_dtype(general, q, k, v, state, True, None)  # keep autograd intact
             return (out, *new)
+        plan = self._step_plan(q, state)
+        if plan["kernel"]:
+            return (cpu_kernels.window_step_planned(plan, q, k, v), *state)
+        if seen is not None and seen >= self.sink + self.window:
+            steady = self._compiled_steady or self._steady_step
+            return (steady(q, k, v, state, self.sink + seen % self.window, plan["constants"]), *state)
+        return (self._row_step(q, k, v, state, plan["constants"]), *state)
+
+    def compile_step(self, **options) -> None:
+        """Run the steady decode step through ``torch.compile(fullgraph=True, dynamic=True,
+        **options)`` from now on (the slot is a symbolic integer: one graph for every step)."""
+        self._compiled_steady = torch.compile(self._steady_step, fullgraph=True, dynamic=True, **options)
+
+    def _step_plan(self, q: torch.Tensor, state) -> dict:
+        """What the decode steps of one state share, worked out on its first step and kept while the
+        state's tensors are the same objects (a new prefill or a beam reorder makes new ones):
+        whether the compiled C step applies, its pointers, and :meth:`step_constants`."""
+        plan = self.__dict__.get("_plan")
+        if plan is not None and plan["state"]() is state[0]:
+            return plan
+        kernel = self._kernel_ready(q, state)
+        work = compute_dtype(q.dtype)
+        with torch.no_grad():
+            constants = dict(self.step_constants(work, q.device), cast=q.dtype != work or state[0].dtype != work)
+        plan = {"state": weakref.ref(state[0]), "kernel": kernel, "constants": constants}
+        if kernel:
+            plan.update(cpu_kernels.window_step_plan(self, state))
+        self.__dict__["_plan"] = plan
+        return plan
+
+    def step_constants(self, dtype, device) -> dict:
+        """Tensors derived from the weights that every decode step reads (none for plain window
+        attention); computed once per state by :meth:`_step_plan`, so weights changed in the middle
+        of a generation take effect at the next prefill."""
+        return {}
+
+    def _steady_step(self, q, k, v, state, slot: int, constants: dict) -> torch.Tensor:
+        """One token, every row past ``sink + window`` tokens, ``slot`` (host int) the ring slot it
+        evicts and fills: the same ops on every device and step. Returns ``(B, 1, d_out)``."""
+        keys, values, seen = state[0], state[1], state[2]
+        self._fold_evicted(state, slot, constants)
+        keys[:, :, slot : slot + 1] = k
+        values[:, :, slot : slot + 1] = v
+        seen.add_(1)
+        return self._read_window(q, keys, values, state, constants)
+
+    def _fold_evicted(self, state, slot: int, constants: dict) -> None:
+        """Hook before the new token overwrites ``slot`` in the steady step (the hybrid folds the
+        evicted key into its state)."""
+
+    def _read_window(self, q, keys, values, state, constants: dict) -> torch.Tensor:
+        """The step's output ``(B, 1, d_out)`` in ``q``'s dtype: attention of the token's query over
+        the ``s + w`` slots, all real in the steady state (computed in float32 for half precision)."""
+        if constants["cast"]:
+            dtype = q.dtype
+            q, keys, values = (t.to(compute_dtype(dtype)) for t in (q, keys, values))
+        if not self.grouped:
+            keys, values = self._per_query(keys), self._per_query(values)
+        y = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling, enable_gqa=self.rep > 1)
+        y = y.reshape(-1, 1, self.d_out)
+        return y.to(dtype) if constants["cast"] else y
+
+    def _combined_read(self, q, keys, values, state, constants: dict) -> torch.Tensor:
+        """:meth:`_read_window` for a subclass that adds its state through :meth:`_step_combine`:
+        the window's unnormalised sums, then the subclass's combination."""
+        dtype = q.dtype
+        work = compute_dtype(dtype)
+        q, keys, values = (t if not constants["cast"] else t.to(work) for t in (q, keys, values))
+        qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
+        scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - m)
+        y = self._step_combine(p @ self._groups(values), p.sum(-1, keepdim=True), m, qg, state)
+        return y.reshape(-1, 1, self.d_out).to(dtype)
+
+    def _row_step(self, q, k, v, state, constants: dict) -> torch.Tensor:
+        """One token with each row's slot computed on the device: rows at different counts (a
+        left-padded prompt) and the first ``s + w`` tokens, where some slots are still empty."""
         B = q.shape[0]
-        if self._kernel_ready(q, state):
-            hd = self.head_dim
-            one = (t.reshape(B, -1, hd).contiguous() for t in (q, k, v))
-            y = cpu_kernels.window_step_cpu(self, *one, state)
-            return (y.view(B, 1, self.d_out), *state)
         dtype, work = q.dtype, compute_dtype(q.dtype)  # half-precision activations: computed in float32
         q, k, v = (t if t.dtype == work else t.to(work) for t in (q, k, v))
         keys, values, seen = state[0], state[1], state[2]
         s, w = self.sink, self.window
-        steady = None
-        if seen.device.type == "cpu":  # reading the count costs nothing on CPU
-            counts = seen.tolist()
-            if min(counts) == max(counts) and counts[0] >= s + w:  # the evicted slot holds a real token
-                steady = counts[0]
-        if steady is not None:
-            slot = s + steady % w
-            self._before_write(state, slot, None)
-            keys[:, :, slot] = k[:, :, 0].to(keys.dtype)
-            values[:, :, slot] = v[:, :, 0].to(values.dtype)
-            allowed = None
-        else:
-            rows = torch.arange(B, device=q.device)
-            ring_slot = s + torch.remainder(seen, w)
-            self._before_write(state, ring_slot, rows)
-            slot = torch.where(seen < s, seen, ring_slot)
-            keys[rows, :, slot] = k[:, :, 0].to(keys.dtype)
-            values[rows, :, slot] = v[:, :, 0].to(values.dtype)
-            allowed = self.slot_ranks(seen + 1) >= 0  # (B, s + w)
+        rows = torch.arange(B, device=q.device)
+        ring_slot = s + torch.remainder(seen, w)
+        self._before_write(state, ring_slot, rows)
+        slot = torch.where(seen < s, seen, ring_slot)
+        keys[rows, :, slot] = k[:, :, 0].to(keys.dtype)
+        values[rows, :, slot] = v[:, :, 0].to(values.dtype)
+        allowed = self.slot_ranks(seen + 1) >= 0  # (B, s + w)
         qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
         keys, values = (t if t.dtype == work else t.to(work) for t in (keys, values))  # the window: s + w tokens
         scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         m = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - m)
         A = p @ self._groups(values)
         Z = p.sum(-1, keepdim=True)
         y = self._step_combine(A, Z, m, qg, state)
         seen.add_(1)
-        return (y.reshape(B, 1, self.d_out).to(dtype), *state)
+        return y.reshape(B, 1, self.d_out).to(dtype)
 
     def _kernel_ready(self, q: torch.Tensor, state) -> bool:
         """The compiled step applies: float32 inference on CPU, contiguous state, kernel built."""
@@ -425,7 +501,8 @@ class WindowAttention(ReplacementMixer):
         return self._gather[device]
 
     def _before_write(self, state, slot, rows) -> None:
-        """Hook run before the new token overwrites ``slot`` (the hybrid folds the evicted key)."""
+        """Hook run before the new token overwrites ``slot`` in :meth:`_row_step` (the hybrid folds
+        the evicted key)."""
 
     def _step_combine(self, A, Z, m, qg, state):
         return A / Z

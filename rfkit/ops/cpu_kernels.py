@@ -205,26 +205,36 @@ def mamba_step_cpu(block, xz: torch.Tensor, conv_state: torch.Tensor, ssm_state:
     return y
 
 
-def window_step_cpu(block, q, k, v, state) -> torch.Tensor:
-    """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
-    hybrid subclass): ``q`` (B, Hq, hd), ``k`` / ``v`` (B, Hkv, hd), contiguous float32; the state
-    (contiguous float32 buffers, int64 counts) is updated in place. Returns (B, Hq, hd).
+def window_step_plan(block, state) -> dict:
+    """What every decode step of one state passes to the compiled window step besides the token:
+    the state's and the weights' pointers, the sizes and the tensors they point into (kept
+    alive). Made once per state by ``WindowAttention._step_plan``, which has checked dtypes,
+    devices and layouts (float32, contiguous, on CPU)."""
+    keys, values, seen = state[0], state[1], state[2]
+    hybrid = len(state) > 3
+    keep = [keys, values, seen, block.kernel_index()]
+    if hybrid:
+        keep += [state[3], state[4], block.feature_map.detach(), block.kernel_weights(), block.kernel_decay()]
+    pointers = [_ptr(t) for t in keep[:3]]
+    pointers += [_ptr(keep[4]), _ptr(keep[5]), _ptr(keep[6]), _ptr(keep[7]), _ptr(keep[8])] if hybrid else [None] * 5
+    sizes = [keys.shape[0], block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window]
+    sizes += [block.feature_dim if hybrid else 0, block.scaling]
+    return {"keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes, "out_shape": (keys.shape[0], 1, block.d_out)}
 
-    The caller (``WindowAttention._kernel_ready``) has checked dtypes, devices and layouts."""
+
+def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
+    hybrid subclass) with the state of ``plan`` (:func:`window_step_plan`): ``q`` (B, Hq, 1, hd),
+    ``k`` / ``v`` (B, Hkv, 1, hd) float32; the state is updated in place. Returns (B, 1, Hq * hd)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
-    keys, values, seen = state[0], state[1], state[2]
-    hybrid = len(state) > 3
-    out = torch.empty(q.shape, dtype=torch.float32)
-    S, z = (state[3], state[4]) if hybrid else (None, None)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, 1, hd): laid out as (B, H, hd)
+    out = torch.empty(plan["out_shape"], dtype=torch.float32)
+    keys, values, seen, S, z, fmap, weights, decay = plan["pointers"]
     rc = lib.rf_window_step_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr(),
-        None if S is None else S.data_ptr(), None if z is None else z.data_ptr(),
-        block.feature_map.data_ptr() if hybrid else None, block.kernel_weights().data_ptr() if hybrid else None,
-        _ptr(block.kernel_decay()) if hybrid else None, block.kernel_index().data_ptr(), out.data_ptr(), q.shape[0],
-        block.num_heads, block.num_kv_heads,
-        block.head_dim, block.sink, block.window, block.feature_dim if hybrid else 0, block.scaling,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), keys, values, seen, S, z, fmap, weights, decay, plan["index"],
+        out.data_ptr(), *plan["sizes"],
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("rf_window_step_f32 could not allocate its work buffer")

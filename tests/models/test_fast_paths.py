@@ -209,8 +209,8 @@ def test_compiled_step_matches_the_pytorch_step(kind, sink, monkeypatch):
     mask[1, :4] = 0
     steps = [tuple(t.float() for t in qkv(2, 1, seed=20 + i)) for i in range(3 * W)]
     calls = []
-    compiled = cpu_kernels.window_step_cpu
-    monkeypatch.setattr(cpu_kernels, "window_step_cpu", lambda *a: calls.append(1) or compiled(*a))
+    compiled = cpu_kernels.window_step_planned
+    monkeypatch.setattr(cpu_kernels, "window_step_planned", lambda *a: calls.append(1) or compiled(*a))
     with torch.no_grad():
         for start in ("empty", "padded"):
             if start == "empty":

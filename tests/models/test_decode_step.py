@@ -1,0 +1,139 @@
+"""The decode step shaped for every device: the steady step (host-known slot, fixed ops) against the
+per-row step in float64 and bf16, greedy tokens through every path, the op count of one converted
+layer's step, and ``torch.compile(fullgraph=True)`` over the steady step without recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_ids, tiny_model
+from test_fast_paths import HD, KINDS, W, block, qkv
+
+from rfkit.experiments.speed import layer_step
+from rfkit.models.hybrid_mamba import HybridMambaAttention
+from rfkit.models.modeling import to_recurformer
+from rfkit.models.operators import HybridOperator
+from rfkit.models.window import WindowAttention
+
+
+def any_block(kind: str, sink: int, kvq) -> WindowAttention:
+    if kind != "hybrid_mamba":
+        return block(kind, sink, kvq)
+    b = HybridMambaAttention(kvq, HD, window=W, sink=sink, state_dim=4).double().eval()
+    with torch.no_grad():
+        b.gate.fill_(0.7)
+    return b
+
+
+def run_steps(b, state, steps, known: bool, count: int):
+    """Decode ``steps`` one by one from ``state`` after ``count`` tokens, telling the step the
+    count (``known``) or not; returns the outputs and the final state."""
+    outs = []
+    for q, k, v in steps:
+        y, *state = b.step_qkv(q, k, v, *state, seen=count if known else None)
+        outs.append(y)
+        count += 1
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("kvq", [[0, 0, 1, 1], [0, 1, 0, 1]], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("kind", KINDS + ["hybrid_mamba"])
+def test_the_steady_step_equals_the_per_row_step_in_float64(kind, sink, kvq, monkeypatch):
+    b = any_block(kind, sink, kvq)
+    q, k, v = qkv(2, 2 * W + 3, kvq, seed=3)
+    steps = [qkv(2, 1, kvq, seed=40 + i) for i in range(3 * W)]
+    steady = []
+    original = WindowAttention._steady_step
+    monkeypatch.setattr(WindowAttention, "_steady_step", lambda self, *a: steady.append(1) or original(self, *a))
+    with torch.no_grad():
+        state = b.attend(q, k, v, return_states=True)[1]
+        got, mine = run_steps(b, [t.clone() for t in state], steps, True, q.shape[2])
+        assert len(steady) == len(steps)  # every step past sink + window took the steady path
+        want, theirs = run_steps(b, [t.clone() for t in state], steps, False, q.shape[2])
+        assert len(steady) == len(steps)  # and none without the count
+        full = b.attend(*(torch.cat([t, *(s[i] for s in steps)], 2) for i, t in enumerate((q, k, v))))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, full[:, q.shape[2] :], rtol=1e-10, atol=1e-10)  # = one forward
+    for a, c in zip(mine, theirs):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["window", "hybrid_decay"])
+def test_the_steady_step_in_bf16_keeps_float32_sums_and_matches_the_per_row_step(kind):
+    b = block(kind, 3).float()
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(2, 2 * W + 3, seed=5))
+    steps = [tuple(t.to(torch.bfloat16) for t in qkv(2, 1, seed=60 + i)) for i in range(2 * W)]
+    with torch.no_grad():
+        state = b.attend(q, k, v, return_states=True)[1]
+        got, mine = run_steps(b, [t.clone() for t in state], steps, True, q.shape[2])
+        want, theirs = run_steps(b, [t.clone() for t in state], steps, False, q.shape[2])
+    assert got.dtype == torch.bfloat16 and mine[0].dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for t in mine[3:])  # the hybrid's sums stay float32
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    for a, c in zip(mine, theirs):
+        torch.testing.assert_close(a.float(), c.float(), rtol=1e-5, atol=1e-5)
+
+
+def converted_hybrid():
+    model = tiny_model("llama", 4, 2)
+    model = to_recurformer(model, [[0, 1], [2, 3]], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.mixer.gate.fill_(1.0)
+            layer.self_attn.mixer.feature_map.normal_(std=0.5)
+    return model.eval()
+
+
+def greedy(model, ids, new: int = 24):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+
+def test_greedy_tokens_are_the_same_through_every_decode_path(monkeypatch):
+    """The layer's decode path with the compiled C step, with the PyTorch steady step, with the
+    steady step under torch.compile, and the general rank-masked path: the same tokens."""
+    model, ids = converted_hybrid(), random_ids(2, 12)
+    tokens = {"kernel": greedy(model, ids)}
+    monkeypatch.setattr(WindowAttention, "use_kernel", False)
+    tokens["pytorch"] = greedy(model, ids)
+    for layer in model.model.layers:
+        layer.self_attn.mixer.compile_step(backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    tokens["compiled"] = greedy(model, ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled step ran
+    for layer in model.model.layers:
+        layer.self_attn.mixer._compiled_steady = None
+    monkeypatch.setattr(WindowAttention, "fast", False)
+    tokens["general"] = greedy(model, ids)
+    assert tokens["kernel"].shape[1] == 12 + 24
+    for name, got in tokens.items():
+        assert torch.equal(got, tokens["general"]), name
+
+
+def test_the_compiled_steady_step_is_one_graph_for_every_step(monkeypatch):
+    """fullgraph=True raises on a graph break; the slot is a symbolic integer, so stepping
+    through every ring slot compiles once."""
+    monkeypatch.setattr(WindowAttention, "use_kernel", False)  # the path of every other device
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    b = block("hybrid_decay", 3).float()
+    q, k, v = (t.float() for t in qkv(2, 2 * W + 3, seed=7))
+    b.compile_step(backend="eager")
+    with torch.no_grad():
+        state = b.attend(q, k, v, return_states=True)[1]
+        eager, _ = run_steps(b, [t.clone() for t in state], [tuple(t.float() for t in qkv(2, 1, seed=i)) for i in range(2 * W)], False, 0)
+        compiled, _ = run_steps(b, [t.clone() for t in state], [tuple(t.float() for t in qkv(2, 1, seed=i)) for i in range(2 * W)], True, q.shape[2])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "device-path"])
+def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel, monkeypatch):
+    """The ``--layer-step`` counter: at most 40 torch calls per converted layer with the compiled
+    C step; the PyTorch path that every other device runs stays at its count (65 on this model)."""
+    monkeypatch.setattr(WindowAttention, "use_kernel", kernel)
+    model = converted_hybrid()
+    counts = {context: layer_step(model, context, 0, torch.device("cpu"))["torch_calls"] for context in (24, 40)}
+    assert counts[24] == counts[40]  # the same ops at every step and length
+    assert counts[24] <= (40 if kernel else 65)
