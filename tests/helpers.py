@@ -1,5 +1,6 @@
 """What the tests share: tiny random models (2 layers, width 64), the in-process CLI runner, the
-overrides that run a SmolLM2 recipe on them, and packing Q/K/V as a mixer's input.
+overrides that run a SmolLM2 recipe on them, packing Q/K/V as a mixer's input, and a window
+mixer's training step through its two paths.
 
 Imported by name (``from helpers import run_cli``): pytest puts tests/ on sys.path (rootdir
 conftest, prepend import mode). Fixtures live in conftest.py.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -119,6 +121,52 @@ def packed(q, k, v):
     B, _, L, _ = q.shape
     flat = lambda t: t.transpose(1, 2).reshape(B, L, -1)  # noqa: E731
     return torch.cat([flat(q), flat(k), flat(v)], -1)
+
+
+def train_both_paths(block, q, k, v, state=(), mask=None, window=None) -> list[dict]:
+    """A training forward and backward of a window mixer through its tiled path, then through the
+    general rank-masked path (``fast = False``), both at the drawn ``window`` (default: the
+    block's). One loss reads the output and the next state (fixed random weights); each run gives
+    ``{name: tensor}``: ``out`` and ``state.i`` (the next state), ``grad.q``, ``grad.k``,
+    ``grad.v``, ``grad.state.i`` (the incoming state's floating tensors) and ``grad.<parameter>``.
+    The tiled run must not reach the general path."""
+    block.train()
+    block.train_window = lambda: block.window if window is None else window  # the draw, forced
+    runs = []
+    try:
+        for fast in (True, False):
+            block.fast = fast
+            block.zero_grad(set_to_none=True)
+            leaves = {"q": q, "k": k, "v": v, **{f"state.{i}": t for i, t in enumerate(state) if t.is_floating_point()}}
+            leaves = {name: t.detach().clone().requires_grad_() for name, t in leaves.items()}
+            given = tuple(leaves.get(f"state.{i}", t) for i, t in enumerate(state))
+            if fast:  # the tiled run must not fall back on the reference
+                block._general = lambda *a, **kw: pytest.fail("the training forward took the general path")
+            try:
+                out, new = block.attend(leaves["q"], leaves["k"], leaves["v"], *given, return_states=True, mask=mask)
+            finally:
+                block.__dict__.pop("_general", None)
+            result = {"out": out, **{f"state.{i}": t for i, t in enumerate(new)}}
+            g = torch.Generator().manual_seed(0)
+            read = [t for t in result.values() if t.is_floating_point()]
+            loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in read)
+            loss.backward()
+            result.update({f"grad.{name}": t.grad for name, t in leaves.items()})
+            result.update({f"grad.{name}": p.grad for name, p in block.named_parameters()})
+            runs.append(result)
+    finally:
+        del block.fast, block.train_window
+    return runs
+
+
+def assert_runs_equal(tiled: dict, general: dict, tol: float = 1e-9) -> None:
+    """The two runs of :func:`train_both_paths` agree on every entry (a missing gradient too)."""
+    assert tiled.keys() == general.keys()
+    for name, got in tiled.items():
+        want = general[name]
+        assert (got is None) == (want is None), name
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def prefill_then_steps(model, ids, prefix: int = 7):

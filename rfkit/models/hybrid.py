@@ -40,9 +40,10 @@ State, per layer: the window's ``(keys, values, seen)`` (sink slots and a ring o
 see :mod:`rfkit.models.window`) plus ``S`` ``(B, Hkv, f, hd)`` and ``z`` ``(B, Hkv, f)``: constant in
 the sequence length. The window's three paths carry the state too: a decode step folds exactly
 the one key its new token evicts from the ring (one feature-map call on one key, ``S`` and ``z``
-updated in place); the tiled prefill computes the linear part in chunks of ``TILE`` tokens (exact
-causal linear attention inside a chunk, ``S`` and ``z`` carried between chunks); the general
-rank-masked path serves training.
+updated in place); the tiled path (inference and training) computes the linear part in chunks of
+``TILE`` tokens (exact causal linear attention inside a chunk, ``S`` and ``z`` carried between
+chunks; at a shorter drawn window the ring's oldest keys are folded in first); the general
+rank-masked path serves masks with holes and ``fast = False``, the reference.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ from rfkit.models.window import TILE, WindowAttention
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
 # negative cannot overflow the old tokens' weight.
 _MIN_MAX_SCORE = -60.0
-# The general path (training) runs long chunks in sub-chunks of this many tokens (its scores are
-# L x (window + L)).
+# The general path (masks with holes, fast = False) runs long chunks in sub-chunks of this many
+# tokens (its scores are L x (window + L)).
 PREFILL_CHUNK = 1024
 
 
@@ -238,20 +239,26 @@ class HybridWindowAttention(WindowAttention):
     # -- tiled prefill ---------------------------------------------------------------------------
     def _combine(self, A, Z, m, q, ctx, state, seen: int):
         """Window sums plus the linear part: query ``i`` reads the state and the recent keys up to
-        index ``i`` (rank ``seen + i - w``), causal linear attention in chunks of TILE."""
+        index ``i + skip`` (rank ``seen + i - window``, ``skip = self.window - window``), causal
+        linear attention in chunks of TILE over the keys from index ``skip`` on, from the state
+        with the first ``skip`` keys folded in."""
         B, _, L, hd = q.shape
         C = TILE
         nC = -(-L // C)
         pad = nC * C - L
+        skip = self.window - ctx["window"]
         maps = self._group_maps()
         maps = maps if maps.dtype == q.dtype else maps.to(q.dtype)
         qg = self._grouped_queries(q)  # (B, G, rep, L, hd)
         phi_q = _phi(qg @ maps[None, :, None])  # (B, G, rep, L, f)
-        old_k, old_v = ctx["rec_k"][:, :, :L], ctx["rec_v"][:, :, :L]  # ranks seen - w + i
-        phi_k = _phi(old_k @ self._maps(q.dtype)[None]) * ctx["rec_valid"][:L, None].to(q.dtype)
-        ctx["fold"] = (phi_k, old_v)  # what the next state adds to S and z
-        phi_k, old_v = self._groups(phi_k), self._groups(old_v)
-        S0, z0 = self._groups(state[3]), self._groups(state[4])
+        old_k, old_v = ctx["rec_k"][:, :, : skip + L], ctx["rec_v"][:, :, : skip + L]  # ranks seen - w + i
+        phi_k = _phi(old_k @ self._maps(q.dtype)[None]) * ctx["rec_valid"][: skip + L, None].to(q.dtype)
+        ctx["fold"] = (phi_k[:, :, :L], old_v[:, :, :L])  # what the next state adds to S and z
+        S0, z0 = state[3], state[4]
+        if skip:
+            S0, z0 = self._folded(S0, z0, phi_k[:, :, :skip], old_v[:, :, :skip])
+        phi_k, old_v = self._groups(phi_k[:, :, skip:]), self._groups(old_v[:, :, skip:])
+        S0, z0 = self._groups(S0), self._groups(z0)
         if pad:
             phi_q = F.pad(phi_q, (0, 0, 0, pad))
             phi_k, old_v = F.pad(phi_k, (0, 0, 0, pad)), F.pad(old_v, (0, 0, 0, pad))
@@ -270,6 +277,10 @@ class HybridWindowAttention(WindowAttention):
         a = pq @ S_before.unsqueeze(2) + intra @ pv.unsqueeze(2)  # (B, G, rep, nC, C, hd)
         zl = pq @ z_before.unsqueeze(2).unsqueeze(-1) + intra.sum(-1, keepdim=True)
         flat = lambda t: t.reshape(B, G, self.rep, nC * C, t.shape[-1])[:, :, :, :L]  # noqa: E731
+        if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
+            # the general path's g e^{-m}: log g (in _mix) has no gradient at a closed gate
+            c = self.old_weight().to(A.dtype).view(-1, self.rep, 1, 1) * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+            return (A + c * flat(a)) / (Z + c * flat(zl))
         return self._mix(A, Z, m, flat(a), flat(zl))
 
     def _decayed_chunks(self, pq, pk, pv, intra, S0, z0):
@@ -294,16 +305,18 @@ class HybridWindowAttention(WindowAttention):
         return pq, intra, S_before, z_before
 
     def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
-        phi_k, old_v = ctx["fold"]
-        S0, z0 = state[3], state[4]
-        if self.log_horizon is not None:  # the state moves L steps: S0 decays by gamma^L, index t by gamma^(L-1-t)
-            t = torch.arange(L, device=phi_k.device)
-            phi_k = phi_k * self._powers(L - 1 - t, "kv", phi_k.dtype)[None, :, :, None]
-            gamma_L = self._powers(torch.tensor(float(L), dtype=S0.dtype), "kv", S0.dtype)  # (Hkv,)
-            S0, z0 = S0 * gamma_L[None, :, None, None], z0 * gamma_L[None, :, None]
-        S = S0 + phi_k.transpose(-1, -2) @ old_v
-        z = z0 + phi_k.sum(2)
-        return super()._next_state(state, ctx, seen, L) + (S, z)
+        return super()._next_state(state, ctx, seen, L) + self._folded(state[3], state[4], *ctx["fold"])
+
+    def _folded(self, S0, z0, phi_k, old_v):
+        """``S`` and ``z`` (KV heads) after folding the keys ``phi_k`` (B, Hkv, n, f) with their
+        values, in order, into ``S0`` and ``z0``."""
+        n = phi_k.shape[2]
+        if self.log_horizon is not None:  # the state moves n steps: S0 decays by gamma^n, index t by gamma^(n-1-t)
+            t = torch.arange(n, device=phi_k.device)
+            phi_k = phi_k * self._powers(n - 1 - t, "kv", phi_k.dtype)[None, :, :, None]
+            gamma_n = self._powers(torch.tensor(float(n), dtype=S0.dtype), "kv", S0.dtype)  # (Hkv,)
+            S0, z0 = S0 * gamma_n[None, :, None, None], z0 * gamma_n[None, :, None]
+        return S0 + phi_k.transpose(-1, -2) @ old_v, z0 + phi_k.sum(2)
 
     # -- one decode token ------------------------------------------------------------------------
     def step_constants(self, dtype, device) -> dict:
@@ -379,10 +392,10 @@ class HybridWindowAttention(WindowAttention):
         zl = phi_q @ z.unsqueeze(-1)
         return self._mix(A, Z, m, a, zl)
 
-    # -- general rank-masked path (training) -----------------------------------------------------
+    # -- general rank-masked path (masks with holes, fast = False) --------------------------------
     def _general(self, q, k, v, state, mask, window: int, return_states: bool):
-        """(B, L, d_out) [, next state] with rank masks: the path that training uses (a forward
-        may draw a shorter window). A chunk longer than ``PREFILL_CHUNK`` tokens runs as
+        """(B, L, d_out) [, next state] with rank masks, at ``window`` (a training forward's may
+        be shorter than the block's). A chunk longer than ``PREFILL_CHUNK`` tokens runs as
         consecutive sub-chunks that carry the state."""
         L = q.shape[2]
         if L <= PREFILL_CHUNK:

@@ -40,13 +40,16 @@ At head_dim 64, ``N = 16`` is 1,024 numbers per KV head, the K/V of 8 tokens: si
 - decode step: :meth:`_before_write` folds the one key and value that the new token evicts from
   the ring into ``h``, in place (through :meth:`_fold_evicted` in the steady step);
   :meth:`_step_combine` adds the gated read-out.
-- tiled prefill: the window's first ``L`` recent keys in rank order (ring, then chunk; ranks
-  ``seen - w + i``) are exactly what the chunk evicts, in order, and query ``i`` reads the state
-  right after the ``i``-th: one chunked scan gives every read-out and the next ``h``.
-- general rank-masked path (training, masks with holes): the ring's slots sorted by rank and the
-  chunk form the evicted stream; query ``r`` reads the state after the stream's token of rank
-  ``r - window`` (the window possibly shortened), so its ``C`` is placed at that step of the same
-  scan. The next ``h`` folds the ranks ``<= seen' - 1 - w`` in closed form.
+- tiled path (inference and training): the window's first ``L`` recent keys in rank order
+  (ring, then chunk; ranks ``seen - w + i``) are exactly what the chunk evicts, in order, and
+  query ``i`` reads the state right after the ``i``-th: one chunked scan gives every read-out and
+  the next ``h``. At a shorter drawn window ``w'`` query ``i`` reads after the ``(i + w - w')``-th:
+  the first ``w - w'`` are folded into the scan's start in closed form, and the next ``h`` (after
+  the ``L``-th) too.
+- general rank-masked path (masks with holes; ``fast = False``, the reference): the ring's slots
+  sorted by rank and the chunk form the evicted stream; query ``r`` reads the state after the
+  stream's token of rank ``r - window`` (the window possibly shortened), so its ``C`` is placed at
+  that step of the same scan. The next ``h`` folds the ranks ``<= seen' - 1 - w`` in closed form.
 
 The scan (:meth:`HybridMambaAttention._scan`) is exact and differentiable: parallel inside chunks
 of ``TILE`` steps (pairwise decays from segment sums, every exponent <= 0), sequential over the
@@ -217,14 +220,23 @@ class HybridMambaAttention(WindowAttention):
     def _combine(self, A, Z, m, q, ctx, state, seen: int):
         """The window's output plus the state's: the chunk evicts the recent keys of index
         ``0 .. L-1`` (rank ``seen - w + i``) in order, and query ``i`` reads the state after the
-        ``i``-th of them."""
+        ``(i + skip)``-th of them (``skip = self.window - window``: 0 but for a shorter drawn
+        window, whose queries read the state further on)."""
         L = q.shape[2]
-        old_k, old_v = ctx["rec_k"][:, :, :L], ctx["rec_v"][:, :, :L]
+        skip = self.window - ctx["window"]
+        old_k, old_v = ctx["rec_k"][:, :, : skip + L], ctx["rec_v"][:, :, : skip + L]
         dt, Bk = self._fold_inputs(old_k)
-        dt = dt * ctx["rec_valid"][:L].to(dt.dtype)  # ranks below the sink (or none) fold nothing
+        dt = dt * ctx["rec_valid"][: skip + L].to(dt.dtype)  # ranks below the sink (or none) fold nothing
         C = self._grouped_queries(self._reads(q))  # (B, G, rep, L, N)
-        Y, h = self._scan(self._groups(state[3]), self._groups(dt), self._groups(Bk), self._groups(old_v), C)
-        ctx["ssm"] = self._kv_heads(h).to(state[3].dtype)
+        h0 = state[3]
+        if skip:
+            h0 = self._fold(h0.to(dt.dtype), dt[..., :skip], Bk[:, :, :skip], old_v[:, :, :skip])
+        tail = (dt[..., skip:], Bk[:, :, skip:], old_v[:, :, skip:])
+        Y, h = self._scan(self._groups(h0), *(self._groups(t) for t in tail), C)
+        h = self._kv_heads(h)
+        if skip:  # the scan ran on past the L-th eviction: the next state is the one right after it
+            h = self._fold(state[3].to(dt.dtype), dt[..., :L], Bk[:, :, :L], old_v[:, :, :L])
+        ctx["ssm"] = h.to(state[3].dtype)
         return A / Z + self._gates(A.dtype, 2) * Y
 
     def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
@@ -256,9 +268,9 @@ class HybridMambaAttention(WindowAttention):
         C = qg @ self._group_param(self.proj, qg.dtype).unsqueeze(0)  # (B, G, rep, N)
         return A / Z + self._gates(A.dtype, 1) * (C @ self._groups(state[3]))
 
-    # -- general rank-masked path (training) -----------------------------------------------------
-    # long training chunks run as sub-chunks of hybrid.PREFILL_CHUNK tokens, carrying the state,
-    # exactly as the hybrid's (it calls this class's _general_chunk)
+    # -- general rank-masked path (masks with holes, fast = False) --------------------------------
+    # long chunks run as sub-chunks of hybrid.PREFILL_CHUNK tokens, carrying the state, exactly
+    # as the hybrid's (it calls this class's _general_chunk)
     _general = HybridWindowAttention._general
 
     def _general_chunk(self, q, k, v, state, mask, window: int, return_states: bool):

@@ -29,12 +29,15 @@ float64):
 
 - :meth:`WindowAttention.step`, one decode token: writes the new key into its ring slot in place
   and attends to the ``s + w`` slots; no allocation of a new state.
-- the tiled prefill (inference, no padding or left padding): queries in tiles of ``TILE``; a tile
-  attends to the sink and to the ``TILE + w - 1`` keys ending at its last query (one strided view
-  of the keys, no copy per tile), so work and memory are linear in the length.
-- the general rank-masked path, kept for what the other two do not cover: training (window
-  dropout draws a shorter window per forward, and it is what the fits were tuned on) and masks
-  with holes that are not left padding.
+- the tiled path (inference and training, no padding or left padding): queries in tiles of
+  ``TILE``; a tile attends to the sink and to the ``TILE + w - 1`` keys ending at its last query
+  (one strided view of the keys, no copy per tile), so work and memory are linear in the length.
+  A training forward runs it at the window it drew (window dropout: possibly shorter than
+  ``w``; the state keeps its ``w`` ring slots) and backpropagates through it; the compiled CPU
+  kernel serves only forwards that need no gradient, at the full window.
+- the general rank-masked path (``L x (s + w + L)`` scores), kept for masks with holes that are
+  not left padding, and as the reference: ``WindowAttention.fast = False`` sends every forward,
+  training too, through it.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class WindowAttention(ReplacementMixer):
         scaling: Softmax scaling of the scores (the model's ``head_dim ** -0.5``).
     """
 
-    #: False sends inference through the general rank-masked path too (tests compare the two)
+    #: False sends every forward (training too) through the general rank-masked path (tests
+    #: compare the two)
     fast: bool = True
     #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 decoding on CPU; False
     #: keeps the PyTorch step, its twin
@@ -204,27 +208,29 @@ class WindowAttention(ReplacementMixer):
         return y.to(dtype), (new[0].to(kv_dtype), new[1].to(kv_dtype), *new[2:])
 
     def _attend_paths(self, q, k, v, state, return_states: bool, mask: torch.Tensor | None):
-        """The path an inference or training call takes (module docstring), in one dtype."""
-        if self.training or not self.fast:
-            return self._general(q, k, v, state, mask, self.train_window() if self.training else self.window, return_states)
+        """The path an inference or training call takes (module docstring), in one dtype. A
+        training forward draws its window once, whichever path then serves it."""
+        window = self.train_window() if self.training else self.window
+        if not self.fast:
+            return self._general(q, k, v, state, mask, window, return_states)
         if mask is not None:
             pads = left_padding(mask)
             if pads is None:
-                return self._general(q, k, v, state, mask, self.window, return_states)
-            return self._prefill_rows(q, k, v, state, pads, return_states)
+                return self._general(q, k, v, state, mask, window, return_states)
+            return self._prefill_rows(q, k, v, state, pads, return_states, window)
         if not state:
             state = self.empty_state(q.shape[0], q.device, k.dtype)
         seen = state[2]
         if q.shape[0] > 1 and not bool((seen == seen[0]).all()):
-            return self._prefill_rows(q, k, v, state, [0] * q.shape[0], return_states)
-        y, new = self._prefill(q, k, v, state, int(seen[0]), return_states)
+            return self._prefill_rows(q, k, v, state, [0] * q.shape[0], return_states, window)
+        y, new = self._prefill(q, k, v, state, int(seen[0]), return_states, window)
         return (y, new) if return_states else y
 
     def train_window(self) -> int:
         """The window a training forward uses (the hybrid shortens it at random)."""
         return self.window
 
-    def _prefill_rows(self, q, k, v, state, pads: list[int], return_states: bool):
+    def _prefill_rows(self, q, k, v, state, pads: list[int], return_states: bool, window: int):
         """Left-padded (or unevenly advanced) batch: each row's real tokens run on their own."""
         B, L = q.shape[0], q.shape[2]
         if not state:
@@ -235,31 +241,43 @@ class WindowAttention(ReplacementMixer):
             row_state = tuple(t[b : b + 1] for t in state)
             if pad < L:
                 one = (t[b : b + 1, :, pad:] for t in (q, k, v))
-                y_b, row_state = self._prefill(*one, row_state, int(row_state[2][0]), True)
+                y_b, row_state = self._prefill(*one, row_state, int(row_state[2][0]), True, window)
                 y[b, pad:] = y_b[0]
             rows.append(row_state)
         if not return_states:
             return y
         return y, tuple(torch.cat(parts, 0) for parts in zip(*rows))
 
-    def _prefill(self, q, k, v, state, seen: int, return_states: bool):
-        """Tiled prefill of one chunk, every row having ``seen`` tokens before it. The PyTorch
-        tiles run in pieces of PREFILL_CHUNK tokens; the compiled kernel, whose memory does not
-        grow with the length, takes the chunk whole."""
+    def _prefill(self, q, k, v, state, seen: int, return_states: bool, window: int):
+        """Tiled forward of one chunk at ``window`` (<= ``self.window``), every row having
+        ``seen`` tokens before it. The PyTorch tiles run in pieces of PREFILL_CHUNK tokens (also
+        what autograd keeps stays linear in the length); the compiled kernel, whose memory does
+        not grow with the length, takes the chunk whole. The kernel has no backward and knows
+        only the full window: a forward that needs a gradient, or a shorter window, never
+        reaches it."""
         outs = []
         L = q.shape[2]
-        piece_len = L if self._kernel_ready(q, state) else PREFILL_CHUNK
+        kernel = window == self.window and not self._needs_grad(q, k, v, state) and self._kernel_ready(q, state)
+        piece_len = L if kernel else PREFILL_CHUNK
         for start in range(0, L, piece_len):
             piece = slice(start, start + piece_len)
             last = start + piece_len >= L
-            y, state = self._prefill_piece(q[:, :, piece], k[:, :, piece], v[:, :, piece], state, seen + start, return_states or not last)
+            parts = (q[:, :, piece], k[:, :, piece], v[:, :, piece])
+            y, state = self._prefill_piece(*parts, state, seen + start, return_states or not last, window, kernel)
             outs.append(y)
         y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return y, state
 
-    def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool):
-        ctx = self._context(state, k, v, seen)
-        if self._kernel_ready(q, state) and not (torch.is_grad_enabled() and q.requires_grad):
+    def _needs_grad(self, q, k, v, state) -> bool:
+        """Whether autograd records this forward: any input, state tensor or weight of the block
+        requires a gradient (a frozen model's first trained block gets queries that do not)."""
+        if not torch.is_grad_enabled():
+            return False
+        return any(t.requires_grad for t in (q, k, v, *state)) or any(p.requires_grad for p in self.parameters())
+
+    def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool, window: int, kernel: bool):
+        ctx = self._context(state, k, v, seen, window)
+        if kernel:
             y, linear = cpu_kernels.window_prefill_cpu(self, q, ctx, state, seen)
             new = WindowAttention._next_state(self, state, ctx, seen, q.shape[2]) + linear if with_state else None
             return y, new
@@ -268,9 +286,11 @@ class WindowAttention(ReplacementMixer):
         new = self._next_state(state, ctx, seen, q.shape[2]) if with_state else None
         return self._output(y), new
 
-    def _context(self, state, k, v, seen: int) -> dict:
-        """The sink keys and the recent keys in rank order: the ring (ranks seen-w .. seen-1)
-        followed by the chunk, with each recent key's validity (rank >= sink)."""
+    def _context(self, state, k, v, seen: int, window: int) -> dict:
+        """The sink keys and the recent keys in rank order: the ring (ranks seen-w .. seen-1,
+        ``w`` the block's window) followed by the chunk, with each recent key's validity (rank >=
+        sink), and the ``window`` the queries attend over (a drawn training window may be
+        shorter than ``w``: the ring's oldest ``w - window`` keys are then outside it)."""
         s, w = self.sink, self.window
         keys, values = state[0], state[1]
         L = k.shape[2]
@@ -291,12 +311,15 @@ class WindowAttention(ReplacementMixer):
             "rec_v": torch.cat([ring_v, v], 2),
             "rec_valid": rec_rank >= max(s, 0),
             "length": L,
+            "window": window,
         }
 
     def _window_sums(self, q, ctx, seen: int):
         """Unnormalised exact attention over the window: ``A`` (B, G, rep, L, hd), ``Z`` and the
-        running max ``m`` (B, G, rep, L, 1), in tiles of TILE queries."""
-        s, w = self.sink, self.window
+        running max ``m`` (B, G, rep, L, 1), in tiles of TILE queries. At a window shorter than
+        the block's, the recent keys start ``self.window - w`` keys later (the same layout)."""
+        s, w = self.sink, ctx["window"]
+        skip = self.window - w
         B, _, L, hd = q.shape
         T = TILE
         nT = -(-L // T)
@@ -305,7 +328,7 @@ class WindowAttention(ReplacementMixer):
             qg = F.pad(qg, (0, 0, 0, nT * T - L))
         qt = qg.view(B, qg.shape[1], self.rep, nT, T, hd)
         span = T + w - 1
-        rec_k, rec_v = self._groups(ctx["rec_k"]), self._groups(ctx["rec_v"])
+        rec_k, rec_v = self._groups(ctx["rec_k"][:, :, skip:]), self._groups(ctx["rec_v"][:, :, skip:])
         need = nT * T + w  # recent index of the last padded query is w - 1 + nT * T
         extra = need - rec_k.shape[2]
         if extra > 0:
@@ -314,7 +337,7 @@ class WindowAttention(ReplacementMixer):
         k_tiles = rec_k[:, :, 1:].unfold(2, span, T)[:, :, :nT]  # (B, G, nT, hd, span)
         v_tiles = rec_v[:, :, 1:].unfold(2, span, T)[:, :, :nT]
         scores = qt @ k_tiles.unsqueeze(2)  # (B, G, rep, nT, T, span)
-        valid = torch.cat([ctx["rec_valid"], ctx["rec_valid"].new_zeros(max(0, extra))])
+        valid = torch.cat([ctx["rec_valid"][skip:], ctx["rec_valid"].new_zeros(max(0, extra))])
         valid = valid[1:].unfold(0, span, T)[:nT]  # (nT, span)
         qi = torch.arange(T, device=q.device)[:, None]
         kj = torch.arange(span, device=q.device)[None, :]

@@ -8,12 +8,21 @@ import copy
 
 import pytest
 import torch
-from helpers import generate_plain_and_left_padded, packed, prefill_then_steps, random_ids, tiny_model
+from helpers import (
+    assert_runs_equal,
+    generate_plain_and_left_padded,
+    packed,
+    prefill_then_steps,
+    random_ids,
+    tiny_model,
+    train_both_paths,
+)
 
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator, OperatorError, ReplacementOperator, SinkRecentOperator
+import rfkit.models.window as window_module
 from rfkit.models.window import WindowAttention
 
 KVQ = [0, 0, 1]  # three query heads over two KV heads
@@ -158,6 +167,88 @@ def test_the_state_carries_tokens_that_left_the_window():
             last = block(packed(q, k, v))[:, -1]
             last_changed = block(packed(q, k, changed))[:, -1]
             assert bool((last - last_changed).abs().max() > 1e-6) == should_change
+
+
+def training_block(kvq, sink, horizons):
+    """An open block at window 7 (one head's gate closed at exactly 0: its gradient there must be
+    the reference's too), with a horizon per KV head or no decay."""
+    decay = None if horizons is None else 4.0
+    block = HybridWindowAttention(kvq, HD, window=7, sink=sink, feature_dim=4, decay_horizon=decay).double()
+    with torch.no_grad():
+        block.gate.copy_(torch.tensor([1.0, 0.0, 0.6, 1.3])[: len(kvq)])
+        block.log_scale.copy_(torch.tensor([0.3, -0.2, 0.5, 0.1])[: len(kvq)])
+        if horizons is not None:
+            block.log_horizon.copy_(torch.tensor(horizons, dtype=torch.float64).log())
+    return block
+
+
+def training_qkv(kvq, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    hkv = max(kvq) + 1
+    return tuple(torch.randn(2, h, length, HD, generator=g, dtype=torch.float64) for h in (len(kvq), hkv, hkv))
+
+
+@pytest.mark.parametrize("horizons", [None, [2.0, 9.0]])
+@pytest.mark.parametrize("kvq", [[0, 0, 1, 1], KVQ], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink", [0, 2])
+@pytest.mark.parametrize("length,drawn", [(45, 7), (45, 3), (5, 7), (5, 2)])
+def test_training_runs_tiled_with_the_general_paths_outputs_and_gradients(kvq, sink, horizons, length, drawn):
+    """A training forward goes through the tiled path at its drawn window (forced here: the full 7
+    or shorter, whose gap to 7 the state then reads), across tile boundaries and shorter than the
+    window: output, next state and the gradients of q, k, v, the feature map, gate, log-scale and
+    horizon equal the rank-masked reference's."""
+    block = training_block(kvq, sink, horizons)
+    assert block.grouped == (kvq == [0, 0, 1, 1])
+    tiled, general = train_both_paths(block, *training_qkv(kvq, length, seed=length + sink), window=drawn)
+    assert_runs_equal(tiled, general)
+    if length > drawn + sink + 1:  # two tokens leave the window (one to age): every weight has a gradient
+        assert all(tiled[f"grad.{name}"].abs().sum() > 0 for name, _ in block.named_parameters())
+
+
+@pytest.mark.parametrize("horizons", [None, [2.0, 9.0]])
+@pytest.mark.parametrize("drawn", [7, 3])
+def test_training_carries_the_state_through_pieces_and_left_padding(horizons, drawn, monkeypatch):
+    """A carried state in and out (the gradients of S and z too), a chunk longer than
+    PREFILL_CHUNK (pieces that carry the state) and left-padded rows: the same training step as
+    the reference."""
+    block = training_block([0, 0, 1, 1], 2, horizons)
+    with torch.no_grad():
+        _, state = block.eval().attend(*training_qkv([0, 0, 1, 1], 13, seed=30), return_states=True)
+    monkeypatch.setattr(window_module, "PREFILL_CHUNK", 16)
+    q, k, v = training_qkv([0, 0, 1, 1], 40, seed=31)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :9] = 0
+    for given in (None, mask):
+        tiled, general = train_both_paths(block, q, k, v, state, mask=given, window=drawn)
+        assert_runs_equal(tiled, general)
+        assert tiled["grad.state.3"].abs().sum() > 0 and tiled["grad.state.4"].abs().sum() > 0
+
+
+def test_the_compiled_kernel_serves_only_forwards_without_gradient_at_the_full_window(monkeypatch):
+    """float32 on CPU is the compiled prefill's case, but it has no backward and knows only the
+    block's window: a forward whose block weights need a gradient (the queries of a frozen
+    model's first trained block need none) or that drew a shorter window runs the PyTorch tiles."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    q, k, v = (t.float() for t in training_qkv([0, 0, 1, 1], 40, seed=40))
+    block = training_block([0, 0, 1, 1], 2, None).float()
+    calls = []
+    compiled = cpu_kernels.window_prefill_cpu
+    monkeypatch.setattr(cpu_kernels, "window_prefill_cpu", lambda *a: calls.append(1) or compiled(*a))
+    with torch.no_grad():
+        block.eval().attend(q, k, v)
+    assert calls == [1]  # inference without gradient: the kernel
+    calls.clear()
+    block.train().attend(q, k, v).square().sum().backward()  # no dropout: the full window
+    assert not calls and block.feature_map.grad.abs().sum() > 0
+    monkeypatch.setattr(block, "train_window", lambda: 3, raising=False)
+    with torch.no_grad():
+        short = block.attend(q, k, v)
+        assert not calls
+        monkeypatch.setattr(block, "fast", False, raising=False)
+        torch.testing.assert_close(short, block.attend(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_window_dropout_only_in_training():

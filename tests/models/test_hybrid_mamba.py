@@ -10,12 +10,21 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generate_plain_and_left_padded, packed, prefill_then_steps, random_ids, tiny_model
+from helpers import (
+    assert_runs_equal,
+    generate_plain_and_left_padded,
+    packed,
+    prefill_then_steps,
+    random_ids,
+    tiny_model,
+    train_both_paths,
+)
 
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.hybrid_mamba import HybridMambaAttention
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator, OperatorError, ReplacementOperator, SinkRecentOperator
+import rfkit.models.window as window_module
 from rfkit.models.window import WindowAttention
 from rfkit.operators import HybridMambaOperator
 
@@ -129,7 +138,7 @@ def test_closed_gate_is_the_training_free_sink_recent_block_on_every_path(dtype,
     with torch.no_grad():
         expected = plain(x)
         torch.testing.assert_close(block.eval()(x), expected, rtol=0, atol=tol)  # tiled prefill
-        torch.testing.assert_close(block.train()(x), expected, rtol=0, atol=tol)  # general, no dropout
+        torch.testing.assert_close(block.train()(x), expected, rtol=0, atol=tol)  # training, no dropout
         torch.testing.assert_close(block.eval()(x, mask=mask), plain(x, mask=mask), rtol=0, atol=tol)
         out, state = block.eval()(x[:, :9], return_states=True)
         steps = [out]
@@ -177,18 +186,18 @@ def test_decoding_from_an_empty_state_equals_one_forward():
 
 
 def test_general_path_equals_the_eval_path_with_its_state():
-    """Training mode without dropout runs the rank-masked path: outputs and carried state equal the
-    tiled prefill's."""
+    """The rank-masked path (``fast = False``): outputs and carried state equal the tiled
+    prefill's."""
     q, k, v = random_qkv(length=40, seed=5)
     x = packed(q, k, v)
     block = open_block(sink=2, window=6)
     with torch.no_grad():
         out_e, state_e = block.eval()(x[:, :23], return_states=True)
         out_e2, state_e2 = block(x[:, 23:], *state_e, return_states=True)
-        block.train()
-        out_t, state_t = block(x[:, :23], return_states=True)
-        out_t2, state_t2 = block(x[:, 23:], *state_t, return_states=True)
-    for a, b in ((out_t, out_e), (out_t2, out_e2), *zip(state_t, state_e), *zip(state_t2, state_e2)):
+        block.fast = False
+        out_g, state_g = block(x[:, :23], return_states=True)
+        out_g2, state_g2 = block(x[:, 23:], *state_g, return_states=True)
+    for a, b in ((out_g, out_e), (out_g2, out_e2), *zip(state_g, state_e), *zip(state_g2, state_e2)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -250,6 +259,44 @@ def test_gradients_reach_every_state_weight():
     for name in ("proj", "dt_weight", "dt_bias", "A_log", "gate"):
         grad = getattr(block, name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("kvq", [[0, 0, 1, 1], KVQ], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink", [0, 2])
+@pytest.mark.parametrize("length,drawn", [(45, 7), (45, 3), (5, 7), (5, 2)])
+def test_training_runs_tiled_with_the_general_paths_outputs_and_gradients(kvq, sink, length, drawn):
+    """A training forward goes through the tiled path at its drawn window (forced here: the full 7
+    or shorter, whose queries read the state further on), across tile boundaries and shorter than
+    the window: output, next state and the gradients of q, k, v, P, w, b, A_log and the gates
+    equal the rank-masked reference's."""
+    block = open_block(sink=sink, window=7, kvq=kvq)
+    assert block.grouped == (kvq == [0, 0, 1, 1])
+    g = torch.Generator().manual_seed(length + sink)
+    q, k, v = (torch.randn(2, n, length, HD, generator=g, dtype=torch.float64) for n in (len(kvq), 2, 2))
+    tiled, general = train_both_paths(block, q, k, v, window=drawn)
+    assert_runs_equal(tiled, general)
+    if length > drawn + sink + 1:  # two tokens leave the window (one to age): every weight has a gradient
+        assert all(tiled[f"grad.{name}"].abs().sum() > 0 for name, _ in block.named_parameters())
+
+
+@pytest.mark.parametrize("drawn", [7, 3])
+def test_training_carries_the_state_through_pieces_and_left_padding(drawn, monkeypatch):
+    """A carried state in and out (the gradient of h too), a chunk longer than PREFILL_CHUNK
+    (pieces that carry the state) and left-padded rows: the same training step as the
+    reference."""
+    block = open_block(sink=2, window=7, kvq=[0, 0, 1, 1])
+    g = torch.Generator().manual_seed(30)
+    before = (torch.randn(2, n, 13, HD, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    with torch.no_grad():
+        _, state = block.eval().attend(*before, return_states=True)
+    monkeypatch.setattr(window_module, "PREFILL_CHUNK", 16)
+    q, k, v = (torch.randn(2, n, 40, HD, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :9] = 0
+    for given in (None, mask):
+        tiled, general = train_both_paths(block, q, k, v, state, mask=given, window=drawn)
+        assert_runs_equal(tiled, general)
+        assert tiled["grad.state.3"].abs().sum() > 0
 
 
 def test_window_dropout_only_in_training():

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import packed, random_ids, tiny_model
+from helpers import assert_runs_equal, packed, random_ids, tiny_model, train_both_paths
 
 from rfkit.models.cache import cache_bytes, mixer_state_store
 from rfkit.models.modeling import to_recurformer
@@ -18,6 +18,7 @@ from rfkit.models.operators import (
     SinkRecentOperator,
     SlidingWindowOperator,
 )
+import rfkit.models.window as window_module
 from rfkit.models.window import WindowAttention
 
 ALL = [[0, 1, 2, 3], [0, 1, 2, 3]]
@@ -80,6 +81,42 @@ def test_left_padding_leaves_the_state_of_the_unpadded_prompt():
     assert torch.all(out_p[:, :4] == 0)
     for a, b in zip(state, state_p):
         torch.testing.assert_close(a, b)
+
+
+def train_qkv(kvq, length, seed, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    hkv = max(kvq) + 1
+    return tuple(torch.randn(batch, h, length, 8, generator=g, dtype=torch.float64) for h in (len(kvq), hkv, hkv))
+
+
+@pytest.mark.parametrize("kvq", [[0, 0, 1, 1], [1, 0, 1]], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("length,drawn", [(45, 7), (45, 2), (5, 7), (5, 3)])
+def test_training_runs_tiled_with_the_general_paths_outputs_and_gradients(kvq, sink, length, drawn):
+    """A training forward goes through the tiled path at the window it drew (here forced, the full
+    7 or shorter), across tile boundaries (45 is not a multiple of TILE) and shorter than the
+    window: output, next state and every gradient equal the rank-masked reference's."""
+    block = WindowAttention(kvq, 8, window=7, sink=sink).double()
+    assert block.grouped == (kvq == [0, 0, 1, 1])
+    tiled, general = train_both_paths(block, *train_qkv(kvq, length, seed=length + sink), window=drawn)
+    assert_runs_equal(tiled, general)
+
+
+@pytest.mark.parametrize("drawn", [7, 4])
+def test_training_carries_the_state_through_pieces_and_left_padding(drawn, monkeypatch):
+    """A carried state in and out (its gradient too), a chunk longer than PREFILL_CHUNK (pieces
+    that carry the state), and left-padded rows (each row tiled on its own): the same training
+    step as the reference."""
+    kvq = [0, 0, 1, 1]
+    block = WindowAttention(kvq, 8, window=7, sink=2).double()
+    with torch.no_grad():
+        _, state = block.eval().attend(*train_qkv(kvq, 11, seed=20), return_states=True)
+    monkeypatch.setattr(window_module, "PREFILL_CHUNK", 16)
+    q, k, v = train_qkv(kvq, 40, seed=21)
+    assert_runs_equal(*train_both_paths(block, q, k, v, state, window=drawn))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :9] = 0
+    assert_runs_equal(*train_both_paths(block, q, k, v, state, mask=mask, window=drawn))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
