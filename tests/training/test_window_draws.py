@@ -58,8 +58,14 @@ def test_one_steps_gradients_are_the_same_with_and_without_checkpointing(operato
 @pytest.mark.parametrize("operator", OPERATORS)
 def test_drawn_per_forward_the_recomputed_window_differs(operator):
     """What the per-batch draw prevents: each forward drawing its own window, the checkpointed
-    step differentiates a layer run with another window than its forward's."""
+    step differentiates a layer run with another window than its forward's. The tiled training
+    path's tile spans follow the window, so checkpoint's own metadata check may catch it first;
+    otherwise the gradients are wrong."""
     plain = step_gradients(operator, checkpointing=False, per_batch=False)
-    recomputed = step_gradients(operator, checkpointing=True, per_batch=False)
+    try:
+        recomputed = step_gradients(operator, checkpointing=True, per_batch=False)
+    except torch.utils.checkpoint.CheckpointError as error:
+        assert "different metadata" in str(error)
+        return
     worst = max(float((recomputed[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in plain.items())
     assert worst > 1e-3
