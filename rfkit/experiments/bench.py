@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     speed.add_argument("--max-batch", type=int, default=16, help="largest batch run for --max-input (default 16)")
     speed.add_argument("--layer-step", action="store_true", help="also time one attention layer's decode step and count its torch calls")
+    speed.add_argument(
+        "--compile", action="store_true",
+        help="run the converted model's steady decode step through torch.compile (fullgraph; CUDA and non-float32 paths)",
+    )  # fmt: skip
     return parser
 
 
@@ -393,6 +397,10 @@ def main(argv: list[str]) -> int:
     validate(args)
     device = args.torch_device
     pair = load_pair(args.model, device)
+    if getattr(args, "compile", False):
+        from rfkit.models.window import compile_decode_steps
+
+        pair.notes.append(f"compiled the steady decode step of {compile_decode_steps(pair.converted)} window mixers (torch.compile, fullgraph)")
     if args.what == "cache":
         result = run_cache(args, pair, device)
     else:

@@ -59,6 +59,16 @@ TILE = 32
 PREFILL_CHUNK = 1024
 
 
+def compile_decode_steps(model: torch.nn.Module, **options) -> int:
+    """Compile the steady decode step of every window mixer in ``model`` (``torch.compile(...,
+    fullgraph=True, dynamic=True, **options)``, e.g. ``mode="reduce-overhead"`` for CUDA graphs);
+    returns how many. The CPU float32 path keeps its C step, which is faster there."""
+    mixers = [m for m in model.modules() if isinstance(m, WindowAttention)]
+    for mixer in mixers:
+        mixer.compile_step(**options)
+    return len(mixers)
+
+
 def ring_ranks(seen: torch.Tensor, sink: int, window: int) -> torch.Tensor:
     """(B, w): rank held by each ring slot after ``seen`` real tokens, -1 where empty.
 

@@ -130,6 +130,24 @@ def test_speed_bench_rows(converted_dir, tmp_path, capsys):
     assert "| 48 |" in stdout and "Median of 2 interleaved runs" in stdout
 
 
+def test_speed_bench_compile_runs_the_compiled_steady_step(converted_dir, tmp_path, capsys, monkeypatch):
+    """--compile compiles every window mixer's steady step; with the C step off (as on a GPU)
+    the decode runs through it and gives rows as before."""
+    from rfkit.models.window import WindowAttention
+
+    monkeypatch.setattr(WindowAttention, "use_kernel", False)
+    torch._dynamo.utils.counters.clear()
+    out = tmp_path / "speed.json"
+    code, _, err = run_cli(
+        ["bench", "speed", "--model", str(converted_dir), "--contexts", "96", "--runs", "1",
+         "--decode-tokens", "4", "--compile", "--json", str(out), "--no-record"], capsys)  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert any(n.startswith("compiled the steady decode step of ") for n in result["notes"])
+    assert result["rows"][0]["decode_tps_converted"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled step ran
+
+
 @pytest.mark.slow
 def test_speed_bench_batches_budget_and_layer_step(converted_dir, tmp_path, capsys):
     """--batch gives one row per context and batch; --max-input picks the largest batch whose
