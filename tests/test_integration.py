@@ -54,7 +54,9 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     # SmolLM2: 30 layers x 3 KV heads x (K, V) x 64 dims x 4 bytes per token, half of it kept
     assert summary["cache_bytes_per_token_original"] == 30 * 3 * 2 * 64 * 4
     assert summary["cache_bytes_per_token_converted"] == 30 * 3 * 2 * 64 * 4 / 2
-    assert summary["params_removed"] > 0 and summary["params_added"] > 0
+    # the hybrid keeps every Q/K/V row (packed into qkv_proj): what it adds are the new weights
+    # alone (feature maps, gates, scales, horizons: 23,355 in the default fit's 21 layers)
+    assert summary["params_removed"] == 0 and 0 < summary["params_added"] < 40_000
     # the recipe's attention transfer ran on the real model, on Wikipedia and on long Shakespeare
     # blocks: it starts from the sink + recent heads (a small error, not the silent block's 1.0)
     # and ends no worse in any layer on the two together

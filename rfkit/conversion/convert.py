@@ -152,9 +152,28 @@ def build_head_map(
     return HeadMap.build(model_name, layout, profile, selected, policy, data_info, fingerprint)
 
 
+# An attention layer's query / key / value projections, separate in the original and packed into
+# qkv_proj in a converted layer (mq_proj / mk_proj: the layout saved before the packing)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "mq_proj", "mk_proj")
+
+
+def _projections_summed(counts: dict) -> dict:
+    """``counts`` with each attention layer's Q/K/V projections summed under one name per field,
+    so that packing them is neither an addition nor a removal (only rows gained or lost count)."""
+    out: dict = {}
+    for name, numel in counts.items():
+        module, _, field = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        key = f"{parent}.<q/k/v>.{field}" if proj in _PROJECTIONS else name
+        out[key] = out.get(key, 0) + numel
+    return out
+
+
 def parameter_delta(model_before_counts: dict, model_after) -> tuple[int, int]:
-    """Parameters (added, removed) between two ``{name: numel}`` maps of the same model."""
-    after = {n: p.numel() for n, p in model_after.named_parameters()}
+    """Parameters (added, removed) between two ``{name: numel}`` maps of the same model; a
+    layer's Q/K/V projections count as one (:func:`_projections_summed`)."""
+    model_before_counts = _projections_summed(model_before_counts)
+    after = _projections_summed({n: p.numel() for n, p in model_after.named_parameters()})
     added = sum(v for n, v in after.items() if n not in model_before_counts)
     removed = sum(v for n, v in model_before_counts.items() if n not in after)
     for n in after.keys() & model_before_counts.keys():
