@@ -6,6 +6,7 @@ from __future__ import annotations
 from tables import load, table
 
 FOLDER = "speed_smollm2_b05_fast"
+NOW = "speed_issue36"  # the same model measured on the code of issue 36 (packed projection, new step)
 
 
 def _pair(a: float, b: float, fmt: str) -> str:
@@ -14,7 +15,7 @@ def _pair(a: float, b: float, fmt: str) -> str:
 
 @table("speed_b05")
 def speed_table() -> str:
-    speed = load(f"{FOLDER}/speed.json")
+    speed = load(f"{NOW}/after.json")
     batch4 = load(f"{FOLDER}/speed_batch4.json")
     contexts = [r["context"] for r in speed["rows"]]
     head = "| tokens/s, original -> converted (ratio) | " + " | ".join(f"{c:,} tokens" for c in contexts) + " |"
@@ -27,8 +28,8 @@ def speed_table() -> str:
         _pair(by_context[c]["decode_tps_original"], by_context[c]["decode_tps_converted"], ".2f") if c in by_context else "-"
         for c in contexts
     ]
-    lines.append("| trained hybrid, decode, batch 4 | " + " | ".join(cells) + " |")
-    baseline = {r["context"]: r for r in load(f"{FOLDER}/speed_sink_recent.json")["rows"]}
+    lines.append("| trained hybrid, decode, batch 4 (before the packed projection and the new step) | " + " | ".join(cells) + " |")
+    baseline = {r["context"]: r for r in load(f"{NOW}/sink_recent_after.json")["rows"]}
     for phase in ("prefill", "decode"):
         fmt = ".1f" if phase == "prefill" else ".2f"
         cells = [
@@ -36,14 +37,58 @@ def speed_table() -> str:
             for c in contexts
         ]
         lines.append(f"| sink_recent(4, 64), training-free, same bytes: {phase}, batch 1 | " + " | ".join(cells) + " |")
+    lines.append("| trained hybrid, one attention layer's decode step | " + " | ".join(_step_cells(speed, contexts)) + " |")
+    return "\n".join(lines)
+
+
+def _step_cells(speed: dict, contexts: list[int]) -> list[str]:
     steps = {s["context"]: s for s in speed.get("layer_step", [])}
-    cells = [
+    return [
         f"{steps[c]['step_us_original']:.0f} -> {steps[c]['step_us_converted']:.0f} µs "
         f"({steps[c]['torch_calls_original']:.0f} -> {steps[c]['torch_calls_converted']:.0f} calls)"
         if c in steps else "-"
         for c in contexts
     ]  # fmt: skip
-    lines.append("| trained hybrid, one attention layer's decode step | " + " | ".join(cells) + " |")
+
+
+@table("speed_issue36")
+def speed_issue36() -> str:
+    """docs/hybrid.md: the default fit's model before and after the packed projection and the
+    device-independent decode step, each against the original in its own process, one after the
+    other on the same machine."""
+    runs = {"before (c8f94e5)": load(f"{NOW}/before.json"), "after": load(f"{NOW}/after.json")}
+    lines = ["| code | context | prefill, original -> converted | decode, original -> converted | one layer's step |", "|---|---:|---:|---:|---:|"]
+    for name, data in runs.items():
+        steps = dict(zip([r["context"] for r in data["rows"]], _step_cells(data, [r["context"] for r in data["rows"]])))
+        for r in data["rows"]:
+            prefill = _pair(r["prefill_tps_original"], r["prefill_tps_converted"], ".1f")
+            decode = _pair(r["decode_tps_original"], r["decode_tps_converted"], ".2f")
+            lines.append(f"| {name} | {r['context']:,} | {prefill} | {decode} | {steps[r['context']]} |")
+    return "\n".join(lines)
+
+
+@table("decode_ops")
+def decode_ops() -> str:
+    """docs/hybrid.md: one attention layer's decode step on both of the converted model's paths."""
+    ops = load(f"{NOW}/decode_ops.json")
+    lines = ["| context | original | converted, C step (CPU float32) | converted, PyTorch step (every other device) |", "|---:|---:|---:|---:|"]
+    for r in ops["rows"]:
+        cells = [f"{r[k]['step_us']:.0f} µs, {r[k]['torch_calls']:.0f} calls" for k in ("original", "converted_cpu_kernel", "converted_device_path")]
+        lines.append(f"| {r['context']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@table("train_block")
+def train_block() -> str:
+    """docs/hybrid.md: one training step of the default fit's model, tiled vs rank-masked."""
+    data = load("train_block/train_block.json")
+    lines = ["| block | tiled (now), median s | rank-masked (before), median s | ratio | peak RSS growth, tiled / rank-masked |", "|---|---:|---:|---:|---:|"]
+    for r in data["shapes"]:
+        old = r.get("old", {})
+        old_s = f"{old['median_s']:.1f}" if "median_s" in old else "not run"
+        ratio = f"{old['median_s'] / r['new']['median_s']:.1f}x" if "median_s" in old else "-"
+        rss = f"{r['new']['peak_rss_growth_mib'] / 1024:.1f} / " + (f"{old['peak_rss_growth_mib'] / 1024:.1f} GiB" if "median_s" in old else "- GiB")
+        lines.append(f"| {r['batch']} x {r['length']:,} | {r['new']['median_s']:.1f} | {old_s} | {ratio} | {rss} |")
     return "\n".join(lines)
 
 
