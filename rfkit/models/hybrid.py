@@ -44,6 +44,10 @@ updated in place); the tiled path (inference and training) computes the linear p
 ``TILE`` tokens (exact causal linear attention inside a chunk, ``S`` and ``z`` carried between
 chunks; at a shorter drawn window the ring's oldest keys are folded in first); the general
 rank-masked path serves masks with holes and ``fast = False``, the reference.
+
+One module because each of the hybrid's paths extends the matching path of
+:class:`~rfkit.models.window.WindowAttention` with the same state sums and normaliser; apart,
+the formula above would be spread over several files.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ unpadded one. One-token decode steps never carry padding and keep using ``mixer.
 Converted models are ordinary HF models: ``model_type`` ``rf_llama`` / ``rf_mistral`` /
 ``rf_qwen2``, registered with the Auto classes when ``rfkit`` is imported, so
 ``AutoModelForCausalLM.from_pretrained(dir)`` restores them.
+
+One module because the converted layer (its packed projection, its prefill and decode paths) and
+the model classes that rebuild it from a config are one unit: a saved folder ships them as its
+``modeling_rfkit.py`` (:mod:`rfkit.models.export`), and the layer's paths share its head layout.
 """
 
 from __future__ import annotations

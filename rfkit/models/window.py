@@ -38,6 +38,10 @@ float64):
 - the general rank-masked path (``L x (s + w + L)`` scores), kept for masks with holes that are
   not left padding, and as the reference: ``WindowAttention.fast = False`` sends every forward,
   training too, through it.
+
+One module because the three paths read and write one state layout (sink slots and a ring) and
+are held to each other in the tests; apart, a change to the layout would have to be made in
+several files at once.
 """
 
 from __future__ import annotations
@@ -264,10 +268,14 @@ class WindowAttention(ReplacementMixer):
         what autograd keeps stays linear in the length); the compiled kernel, whose memory does
         not grow with the length, takes the chunk whole. The kernel has no backward and knows
         only the full window: a forward that needs a gradient, or a shorter window, never
-        reaches it."""
+        reaches it; nor does any training-mode forward, so that activation checkpointing's
+        recompute takes the path its forward took whatever the grad flags then (FSDP's unsharded
+        weights, a reentrant checkpoint's no-grad first pass)."""
         outs = []
         L = q.shape[2]
-        kernel = window == self.window and not self._needs_grad(q, k, v, state) and self._kernel_ready(q, state)
+        kernel = (
+            not self.training and window == self.window and not self._needs_grad(q, k, v, state) and self._kernel_ready(q, state)
+        )
         piece_len = L if kernel else PREFILL_CHUNK
         for start in range(0, L, piece_len):
             piece = slice(start, start + piece_len)
