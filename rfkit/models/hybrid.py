@@ -203,10 +203,14 @@ class HybridWindowAttention(WindowAttention):
             return None
         return self._cached(("decay",), lambda: self.log_decay().exp().to(torch.float32).contiguous())
 
+    def _weights_train(self) -> bool:
+        """Whether autograd records the gate or the scale (then ``g`` is used as it is: ``log g``
+        has no gradient at a closed gate)."""
+        return torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad)
+
     def _log_weight(self, dtype) -> torch.Tensor:
-        """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed."""
-        if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
-            return (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1)
+        """``log g`` per query head as (G, rep, 1), ``-inf`` where the gate is closed (inference:
+        kept until the weights change)."""
         return self._cached(("log", dtype), lambda: (self.gate.clamp_min(0).log() + self.log_scale).to(dtype).view(-1, self.rep, 1))
 
     def kernel_weights(self) -> torch.Tensor:
@@ -234,10 +238,12 @@ class HybridWindowAttention(WindowAttention):
     def _mix(self, A, Z, m, a, zl):
         """``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` (``g`` per query head; the rep axis third,
         queries second to last)."""
-        log_g = self._log_weight(A.dtype)
-        if A.dim() == 5:
-            log_g = log_g.unsqueeze(-1)
-        c = torch.exp(log_g - m.clamp_min(_MIN_MAX_SCORE))
+        if self._weights_train():  # the general path's g e^{-m}
+            g = self.old_weight().to(A.dtype).view(-1, self.rep, 1)
+            c = (g.unsqueeze(-1) if A.dim() == 5 else g) * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+        else:
+            log_g = self._log_weight(A.dtype)
+            c = torch.exp((log_g.unsqueeze(-1) if A.dim() == 5 else log_g) - m.clamp_min(_MIN_MAX_SCORE))
         return torch.addcmul(A, c, a) / torch.addcmul(Z, c, zl)
 
     # -- tiled prefill ---------------------------------------------------------------------------
@@ -281,10 +287,6 @@ class HybridWindowAttention(WindowAttention):
         a = pq @ S_before.unsqueeze(2) + intra @ pv.unsqueeze(2)  # (B, G, rep, nC, C, hd)
         zl = pq @ z_before.unsqueeze(2).unsqueeze(-1) + intra.sum(-1, keepdim=True)
         flat = lambda t: t.reshape(B, G, self.rep, nC * C, t.shape[-1])[:, :, :, :L]  # noqa: E731
-        if torch.is_grad_enabled() and (self.gate.requires_grad or self.log_scale.requires_grad):
-            # the general path's g e^{-m}: log g (in _mix) has no gradient at a closed gate
-            c = self.old_weight().to(A.dtype).view(-1, self.rep, 1, 1) * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
-            return (A + c * flat(a)) / (Z + c * flat(zl))
         return self._mix(A, Z, m, flat(a), flat(zl))
 
     def _decayed_chunks(self, pq, pk, pv, intra, S0, z0):
@@ -332,7 +334,7 @@ class HybridWindowAttention(WindowAttention):
         return {
             "maps": both(self.feature_map),  # (Hkv, hd, f)
             "group_maps": both(self._group_maps()),  # (G, hd, f)
-            "log_g": (self.gate.clamp_min(0).log() + self.log_scale).to(device, dtype).view(-1, self.rep, 1, 1),
+            "log_g": self._log_weight(dtype).to(device).unsqueeze(-1),  # (G, rep, 1, 1)
             "gamma_S": None if gamma is None else gamma.view(1, -1, 1, 1),
             "gamma_z": None if gamma is None else gamma.view(1, -1, 1),
         }

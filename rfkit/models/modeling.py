@@ -75,10 +75,10 @@ def format_version(config) -> int:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` (B, H, L, hd) with the model's ``cos`` / ``sin`` (B, L, hd): the
-    formula of transformers' ``apply_rotary_pos_emb`` for one tensor holding queries and keys."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    formula of transformers' ``apply_rotary_pos_emb`` for one tensor holding queries and keys
+    (its ``rotate_half`` written out: it reads ``x.shape`` twice, one more call per decode step)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
 
 
 def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -254,12 +254,16 @@ class RecurFormerAttention(nn.Module):
                 key, value = past_key_values.update(key, value, self.layer_idx)
             outputs.append(self._attend(query, key, value, attention_mask, kwargs).reshape(B, L, -1))  # (B, L, Hq_kept * hd)
         elif past_key_values is not None:
-            # No kept heads: record the tokens with zero-head K/V so the cache's length stays right.
-            empty = hidden_states.new_zeros(B, 0, L, self.head_dim)
-            past_key_values.update(empty, empty, self.layer_idx)
-            count_headless_tokens(past_key_values, self.layer_idx)
+            self._record_headless(past_key_values, hidden_states)
         outputs.append(self._mix(mixer_qkv, past_key_values, token_mask))  # (B, L, Hq_m * hd)
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None
+
+    def _record_headless(self, cache, hidden_states: torch.Tensor) -> None:
+        """No kept heads: record the chunk's tokens with zero-head K/V so the cache's length stays right."""
+        B, L, _ = hidden_states.shape
+        empty = hidden_states.new_zeros(B, 0, L, self.head_dim)
+        cache.update(empty, empty, self.layer_idx)
+        count_headless_tokens(cache, self.layer_idx)
 
     def _attend(self, query, key, value, attention_mask, kwargs) -> torch.Tensor:
         """The kept heads' attention through the model's attention interface: ``(B, L, Hq_kept, hd)``."""
@@ -384,9 +388,7 @@ class RecurFormerAttention(nn.Module):
             key, value = cache.update(self._part(rotated, "k"), self._part(heads, "v"), self.layer_idx)
             outputs.append(self._attend_one(self._part(rotated, "q"), key, value, attention_mask, kwargs))
         else:
-            empty = heads.new_zeros(heads.shape[0], 0, 1, self.head_dim)
-            cache.update(empty, empty, self.layer_idx)
-            count_headless_tokens(cache, self.layer_idx)
+            self._record_headless(cache, hidden_states)
         mixer_v = self._part(heads, "mv")
         if self.mixer_reads_qk:
             x = (self._part(rotated, "mq"), self._part(rotated, "mk"), mixer_v)
@@ -404,8 +406,9 @@ class RecurFormerAttention(nn.Module):
             and self.config._attn_implementation == "sdpa"
         ):
             out = F.scaled_dot_product_attention(query, key, value, scale=self.scaling, enable_gqa=self.num_key_value_groups > 1)
-            return out.reshape(-1, 1, self.parts["q"][1] * self.head_dim)
-        return self._attend(query, key, value, attention_mask, kwargs).reshape(-1, 1, self.parts["q"][1] * self.head_dim)
+        else:
+            out = self._attend(query, key, value, attention_mask, kwargs)
+        return out.reshape(-1, 1, self.parts["q"][1] * self.head_dim)
 
 
 # -- conversion of a loaded model -------------------------------------------------------------

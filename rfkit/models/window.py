@@ -398,9 +398,10 @@ class WindowAttention(ReplacementMixer):
         return keys, values, torch.full_like(state[2], new_seen)
 
     # -- one decode token ----------------------------------------------------------------------
-    def step(self, x: torch.Tensor, *state):
-        """One decode token (B, 1, d_in): ``(out, *state)``, the state updated in place."""
-        return self.step_qkv(*self._split(x), *state)
+    def step(self, x: torch.Tensor, *state, seen: int | None = None):
+        """One decode token (B, 1, d_in): ``(out, *state)``, the state updated in place
+        (``seen``: as :meth:`step_qkv`)."""
+        return self.step_qkv(*self._split(x), *state, seen=seen)
 
     #: ``step_qkv`` takes ``seen=``: the tokens every row has seen, when the caller knows it on the
     #: host (the converted layer counts them); the step then needs no per-row bookkeeping
@@ -428,7 +429,7 @@ class WindowAttention(ReplacementMixer):
         if seen is not None and seen >= self.sink + self.window:
             steady = self._compiled_steady or self._steady_step
             return (steady(q, k, v, state, self.sink + seen % self.window, plan["constants"]), *state)
-        return (self._row_step(q, k, v, state, plan["constants"]), *state)
+        return (self._row_step(q, k, v, state), *state)
 
     def compile_step(self, **options) -> None:
         """Run the steady decode step through ``torch.compile(fullgraph=True, dynamic=True,
@@ -485,19 +486,25 @@ class WindowAttention(ReplacementMixer):
         return y.to(dtype) if constants["cast"] else y
 
     def _combined_read(self, q, keys, values, state, constants: dict) -> torch.Tensor:
-        """:meth:`_read_window` for a subclass that adds its state through :meth:`_step_combine`:
-        the window's unnormalised sums, then the subclass's combination."""
+        """:meth:`_read_window` for a subclass that adds its state through :meth:`_step_combine`."""
         dtype = q.dtype
         work = compute_dtype(dtype)
         q, keys, values = (t if not constants["cast"] else t.to(work) for t in (q, keys, values))
+        return self._read_and_combine(q, keys, values, state).reshape(-1, 1, self.d_out).to(dtype)
+
+    def _read_and_combine(self, q, keys, values, state, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The token's query ``(B, Hq, 1, hd)`` over the ``s + w`` slots (only the ``allowed`` ones,
+        ``(B, s + w)``, where given), all in one dtype: the window's unnormalised sums, then
+        :meth:`_step_combine`; ``(B, G, rep, hd)``."""
         qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
         scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         m = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - m)
-        y = self._step_combine(p @ self._groups(values), p.sum(-1, keepdim=True), m, qg, state)
-        return y.reshape(-1, 1, self.d_out).to(dtype)
+        return self._step_combine(p @ self._groups(values), p.sum(-1, keepdim=True), m, qg, state)
 
-    def _row_step(self, q, k, v, state, constants: dict) -> torch.Tensor:
+    def _row_step(self, q, k, v, state) -> torch.Tensor:
         """One token with each row's slot computed on the device: rows at different counts (a
         left-padded prompt) and the first ``s + w`` tokens, where some slots are still empty."""
         B = q.shape[0]
@@ -512,15 +519,8 @@ class WindowAttention(ReplacementMixer):
         keys[rows, :, slot] = k[:, :, 0].to(keys.dtype)
         values[rows, :, slot] = v[:, :, 0].to(values.dtype)
         allowed = self.slot_ranks(seen + 1) >= 0  # (B, s + w)
-        qg = self._grouped_queries(q)[:, :, :, 0]  # (B, G, rep, hd)
         keys, values = (t if t.dtype == work else t.to(work) for t in (keys, values))  # the window: s + w tokens
-        scores = (qg * self.scaling) @ self._groups(keys).transpose(-1, -2)  # (B, G, rep, s + w)
-        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        m = scores.amax(-1, keepdim=True)
-        p = torch.exp(scores - m)
-        A = p @ self._groups(values)
-        Z = p.sum(-1, keepdim=True)
-        y = self._step_combine(A, Z, m, qg, state)
+        y = self._read_and_combine(q, keys, values, state, allowed)
         seen.add_(1)
         return y.reshape(B, 1, self.d_out).to(dtype)
 
