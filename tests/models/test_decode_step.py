@@ -131,9 +131,9 @@ def test_the_compiled_steady_step_is_one_graph_for_every_step(monkeypatch):
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "device-path"])
 def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel, monkeypatch):
     """The ``--layer-step`` counter: at most 40 torch calls per converted layer with the compiled
-    C step; the PyTorch path that every other device runs stays at its count (65 on this model)."""
+    C step; the PyTorch path that every other device runs stays at its count (66 on this model)."""
     monkeypatch.setattr(WindowAttention, "use_kernel", kernel)
     model = converted_hybrid()
     counts = {context: layer_step(model, context, 0, torch.device("cpu"))["torch_calls"] for context in (24, 40)}
     assert counts[24] == counts[40]  # the same ops at every step and length
-    assert counts[24] <= (40 if kernel else 65)
+    assert counts[24] <= (40 if kernel else 66)
