@@ -1,0 +1,52 @@
+"""The README's one results table: the default recipe's trained model against its original and
+against the strongest training-free baseline at the same cache bytes, for quality, cache and speed.
+docs/results.md keeps every table behind it, with the same files."""
+
+from __future__ import annotations
+
+from . import load, table
+
+DEMO = "demo_smollm2_b05_screen/summary.json"
+CONTEXT = "context_smollm2_b05_issue36/context.json"  # the default fit on the current code
+BASELINE = "context_smollm2_b05_longmix/context.json"  # same blocks; holds the training-free rows
+SPEED = "speed_issue36/after.json"
+SPEED_BASELINE = "speed_issue36/sink_recent_after.json"
+LENGTHS = ("2048", "8192")
+
+
+def _baseline_row(rows: dict) -> dict:
+    return next(r for name, r in rows.items() if name.startswith("sink_recent"))
+
+
+def _ratios(speed: dict, phase: str) -> str:
+    by_context = {str(r["context"]): r for r in speed["rows"]}
+    return " / ".join(f"{by_context[n][f'{phase}_ratio']:.2f}x" for n in LENGTHS)
+
+
+@table("front_summary")
+def front_summary() -> str:
+    demo = load(DEMO)
+    context = load(CONTEXT)["rows"]
+    baseline = _baseline_row(load(BASELINE)["rows"])
+    speed, speed_baseline = load(SPEED), load(SPEED_BASELINE)
+    hybrid = context["converted"]
+    original_bytes = int(demo["cache_bytes_per_token_original"])
+
+    def per_token(value: float) -> str:
+        return f"{int(value):,} ({value / original_bytes:.3f})"
+
+    def ppl(row: dict) -> str:
+        return " / ".join(f"{row['ppl_ratio'][n]:.3f}" for n in LENGTHS)
+
+    lines = [
+        "| SmolLM2-135M, beta 0.5, 2-core CPU | original | trained hybrid (default recipe) | sink_recent(4, 64), training-free |",
+        "|---|---:|---:|---:|",
+        f"| KV cache bytes per token | {original_bytes:,} | {per_token(demo['cache_bytes_per_token_converted'])} "
+        f"| {per_token(baseline['kv_bytes_per_token'])} |",
+        f"| perplexity ratio, Wikipedia, 512-token blocks | 1.000 | {demo['ppl_ratio']:.3f} | - |",
+        f"| perplexity ratio, long documents, 2,048 / 8,192 tokens | 1.000 / 1.000 | {ppl(hybrid)} | {ppl(baseline)} |",
+        f"| decode speed, 2,048 / 8,192 tokens, batch 1 | 1 / 1 | {_ratios(speed, 'decode')} | {_ratios(speed_baseline, 'decode')} |",
+        f"| prefill speed, 2,048 / 8,192 tokens | 1 / 1 | {_ratios(speed, 'prefill')} | {_ratios(speed_baseline, 'prefill')} |",
+        f"| `make demo`: the whole fit on the 2-core CPU | - | {demo['wall_seconds'] / 60:.1f} min | none |",
+    ]
+    return "\n".join(lines)
