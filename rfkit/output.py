@@ -5,8 +5,9 @@ kernel, an unreadable cache) and its errors. Other libraries' chatter is off by 
 Lightning's info lines (accelerator found, tips advertising other products), deprecation and
 future warnings raised inside Lightning, jsonargparse, transformers, torch and peft, Lightning's
 tensorboardX notice, and transformers' weight-loading bars; and on ``rfkit fit``'s screen,
-Lightning's model summary table (``| Name | Type | Params ...``, ``Total FLOPs``) and its
-``Training`` / ``Epoch 0`` bar lines before rfkit's step bar (:mod:`rfkit.config.lightning_cli`
+Lightning's model summary table (``| Name | Type | Params ...``, ``Total FLOPs``), its
+``Training`` / ``Epoch 0`` bar lines before rfkit's step bar, and its ``Sanity Checking`` /
+``Validation DataLoader 0`` bars (the step bar shows ``val_loss``) (:mod:`rfkit.config.lightning_cli`
 and :class:`rfkit.training.progress.StepProgressBar` ask :func:`verbose`). ``rfkit --verbose
 COMMAND`` (or ``RFKIT_VERBOSE=1``) shows all of it again; ``RFKIT_LOG=DEBUG`` sets rfkit's own
 log level.

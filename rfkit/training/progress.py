@@ -6,7 +6,10 @@ counts optimizer steps.
 * :class:`StepProgressBar` is Lightning's tqdm bar, except that a step-bounded run
   (``trainer.max_steps`` set) reads ``train (steps): 12/20`` instead of ``Epoch 0/-2``, and its
   bar starts as that: no ``Training: 0/?`` or ``Epoch 0`` line before it (``--verbose`` keeps
-  Lightning's start); runs bounded by epochs keep Lightning's epoch bar.
+  Lightning's start); runs bounded by epochs keep Lightning's epoch bar. During a fit, Lightning's
+  ``Validation DataLoader 0`` and ``Sanity Checking`` bars stay hidden (``--verbose`` shows them):
+  the validation loss shows on the step bar's postfix (``val_loss=...``) once it is logged.
+  ``rfkit validate`` keeps its validation bar, the only one it has.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from contextlib import contextmanager
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 log = logging.getLogger("rfkit")
 
@@ -92,12 +96,27 @@ class StepProgressBar(TQDMProgressBar):
 
         return self._steps(trainer) is not None and not verbose()
 
+    def _hidden_during_fit(self) -> Tqdm:
+        """A bar that draws nothing, in place of Lightning's validation / sanity-check bar during a
+        fit (not ``--verbose``); Lightning still sets its total and closes it as usual."""
+        return Tqdm(disable=True, file=sys.stdout)
+
+    def _show_validation(self) -> bool:
+        from rfkit.output import verbose
+
+        return verbose() or self.trainer.state.fn != "fit"
+
+    def init_sanity_tqdm(self):
+        return super().init_sanity_tqdm() if self._show_validation() else self._hidden_during_fit()
+
+    def init_validation_tqdm(self):
+        # after validation, Lightning puts the logged metrics (val_loss) on the step bar's postfix
+        return super().init_validation_tqdm() if self._show_validation() else self._hidden_during_fit()
+
     def init_train_tqdm(self):
         trainer = self.trainer
         if not self._quiet(trainer):
             return super().init_train_tqdm()
-        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
-
         # Lightning's training bar, created already reading "train (steps): n/total"
         return Tqdm(
             desc=self.DESCRIPTION, total=self._steps(trainer), initial=trainer.global_step,

@@ -56,21 +56,27 @@ def test_tiny_fit_ends_with_the_table_the_path_and_the_next_commands(tiny_model_
 
 
 @pytest.mark.slow
-def test_lightnings_model_summary_and_epoch_bar_show_only_with_verbose(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys):
+def test_lightnings_model_summary_epoch_and_validation_bars_show_only_with_verbose(
+    tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     screens = {}
     for flags in ([], ["--verbose"]):
         args = tiny_args(tiny_model_dir, tiny_corpus, f"run{len(flags)}")
         args[args.index("--trainer.enable_progress_bar") + 1] = "true"
         args[args.index("--trainer.max_steps") + 1] = "1"
+        args[args.index("--trainer.val_check_interval") + 1] = "1"  # a validation run after the step
+        args += ["--trainer.num_sanity_val_steps", "1"]  # and a sanity check before it
         code, out, err = run_cli([*flags, "fit", *args], capsys)
         assert code == 0, err
         screens[bool(flags)] = out + err
     quiet, verbose = screens[False], screens[True]
     assert "train (steps)" in quiet and "rfkit fit: done" in quiet  # rfkit's own bar and end screen
-    for lightning in ("Total FLOPs", "Total params", "Name", "Epoch 0", "Training:"):
+    for lightning in ("Total FLOPs", "Total params", "Name", "Epoch 0", "Training:", "Validation", "Sanity Checking"):
         assert lightning not in quiet, lightning
+    assert "val_loss=" in quiet  # the validation loss still shows, on the step bar
     assert "Total params" in verbose and "Name" in verbose and "Epoch 0" in verbose
+    assert "Validation DataLoader 0" in verbose and "Sanity Checking" in verbose
 
 
 def test_the_table_shows_only_what_was_measured():
