@@ -176,3 +176,28 @@ def test_eval_mqar_takes_a_catalogue_name(capsys):
     assert cfg.betas == [0, 0.25, 0.5, 0.75, 1]
     with pytest.raises(catalog.CatalogError, match="nearest: mqar_smoke"):
         parse_config(["--config", "mqar_smok"])
+
+
+def test_the_recipes_page_lists_every_operator_with_its_defaults_and_every_recipe():
+    """docs/recipes.md's operator table: each built-in operator as ``Name(arg=default, ...)``, the
+    recipes using it; its recipe table: every recipe of the catalogue."""
+    import inspect
+
+    import rfkit.operators as operators
+
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    table = page[page.index("| operator (`class_path: rfkit.operators.X`)") :].split("\n\n")[0]
+    for name in operators.__all__:
+        cls = getattr(operators, name)
+        if not (inspect.isclass(cls) and issubclass(cls, operators.ReplacementOperator)) or inspect.isabstract(cls):
+            continue
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        shown = ", ".join(f"{p.name}={p.default!r}".replace("'", '"') for p in params)
+        assert f"`{name}({shown})`" in table, f"docs/recipes.md: {name}({shown}) is not in the operator table"
+    for path in RECIPE_FILES:
+        uses = yaml.safe_load(path.read_text()).get("model", {}).get("operator", {}).get("class_path", "")
+        if uses:
+            row = next(line for line in table.split("\n") if f"`{uses.rsplit('.', 1)[1]}(" in line)
+            gpu_hybrid = "`*_hybrid` GPU recipes" in row and path.stem.endswith("_hybrid")
+            assert f"`{path.stem}`" in row or gpu_hybrid, f"docs/recipes.md: {path.stem} is not in its operator's row"
+        assert f"`{path.stem}`" in page, f"docs/recipes.md does not list {path.stem}"
