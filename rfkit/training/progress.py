@@ -151,3 +151,13 @@ class StepProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version number: noise next to the loss
         return metrics
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        # The last step is done: close the bar now, not in on_train_end, which runs after the
+        # callbacks that measure the converted model; closed there, the bar redraws itself below
+        # their lines and the screen shows it twice.
+        bar = self.train_progress_bar
+        steps = self._steps(trainer)
+        if steps is not None and bar is not None and not bar.disable and trainer.global_step >= steps:
+            bar.close()

@@ -2,6 +2,7 @@
 phase, and no third-party noise."""
 
 import json
+import sys
 
 import pytest
 from helpers import run_cli, tiny_args
@@ -67,14 +68,20 @@ def test_lightnings_model_summary_epoch_and_validation_bars_show_only_with_verbo
         args[args.index("--trainer.max_steps") + 1] = "1"
         args[args.index("--trainer.val_check_interval") + 1] = "1"  # a validation run after the step
         args += ["--trainer.num_sanity_val_steps", "1"]  # and a sanity check before it
-        code, out, err = run_cli([*flags, "fit", *args], capsys)
-        assert code == 0, err
+        with monkeypatch.context() as streams:
+            streams.setattr(sys, "stderr", sys.stdout)  # one stream, in the order a terminal shows it
+            code, out, err = run_cli([*flags, "fit", *args], capsys)
+        assert code == 0, out + err
         screens[bool(flags)] = out + err
     quiet, verbose = screens[False], screens[True]
     assert "train (steps)" in quiet and "rfkit fit: done" in quiet  # rfkit's own bar and end screen
     for lightning in ("Total FLOPs", "Total params", "Name", "Epoch 0", "Training:", "Validation", "Sanity Checking"):
         assert lightning not in quiet, lightning
     assert "val_loss=" in quiet  # the validation loss still shows, on the step bar
+    # the step bar closes with the last step: it is not drawn again below the converted model's
+    # measurement, which runs in on_train_end
+    after_measure = quiet[quiet.index("perplexity (converted)") :]
+    assert "train (steps)" not in after_measure
     assert "Total params" in verbose and "Name" in verbose and "Epoch 0" in verbose
     assert "Validation DataLoader 0" in verbose and "Sanity Checking" in verbose
 
