@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from rfkit.atomic import atomic_directory
@@ -123,6 +124,27 @@ def resolve_model(name_or_path: str) -> str:
         return str(Path(name).expanduser())
     check_hub_model(name)
     return name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model spec resolved once, where it enters (:func:`resolve_source`), and passed down to
+    whatever loads the model's config, weights or tokenizer, so none of them resolves it again.
+
+    ``name`` is the spec as given (what messages, head maps, caches and model cards record);
+    ``path`` is what ``from_pretrained`` reads (:func:`resolve_model`: a local directory, the
+    embedded model's dequantised copy, or a hub id)."""
+
+    name: str
+    path: str
+
+
+def resolve_source(spec: str | ModelSource) -> ModelSource:
+    """``spec`` resolved (:func:`resolve_model`, which materialises the embedded model on first
+    use); a :class:`ModelSource` is already resolved and is returned as it is."""
+    if isinstance(spec, ModelSource):
+        return spec
+    return ModelSource(str(spec), resolve_model(spec))
 
 
 def looks_like_path(name: str) -> bool:

@@ -1,7 +1,7 @@
-"""The conversion pipeline as plain functions: load, profile, select, replace.
+"""The conversion's building blocks as plain functions: load, profile, select, replace, save.
 
-``rfkit fit`` runs these inside :class:`rfkit.training.module.RecurFormerModule`; ``rfkit profile`` and
-``rfkit convert`` run them without a training loop.
+:mod:`rfkit.pipeline`'s named steps call them; ``rfkit fit``, ``rfkit convert`` and ``rfkit profile``
+run those steps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rfkit.atomic import atomic_write_text
 from rfkit.conversion.headmap import HeadMap, load_profile, model_fingerprint, save_profile
 from rfkit.conversion.policies import FromHeadMap, HeadSelectionPolicy
 from rfkit.conversion.profile import profile_heads
-from rfkit.hub import cache_dir, resolve_model
+from rfkit.hub import ModelSource, cache_dir, resolve_source
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.operators import ReplacementOperator
 
@@ -34,26 +34,29 @@ def _cannot_load(what: str, name: str, err: BaseException):
     return SourceError(f"model.base_model: cannot load the {what} of '{name}': {reason[:300]}")
 
 
-def load_config(name: str, trust_remote_code: bool = False):
+def load_config(source: str | ModelSource, trust_remote_code: bool = False):
     """The HF config of a model (no weights); a config that cannot be fetched or read (no
-    network for a hub id, a broken file) is a one-line error naming ``model.base_model``."""
+    network for a hub id, a broken file) is a one-line error naming ``model.base_model``.
+    ``source``: a spec, resolved here, or a :class:`~rfkit.hub.ModelSource` resolved already."""
     from transformers import AutoConfig
 
-    path = resolve_model(name)
+    source = resolve_source(source)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise _cannot_load("config", name, err) from None
+        raise _cannot_load("config", source.name, err) from None
 
 
-def load_base_model(name: str, dtype: str = "float32", trust_remote_code: bool = False):
+def load_base_model(source: str | ModelSource, dtype: str = "float32", trust_remote_code: bool = False):
     """Load a causal LM (weights from safetensors only) and check its attention layout.
     Weights that cannot be fetched or read (no network, a truncated or foreign file) are a
-    one-line error naming ``model.base_model``."""
+    one-line error naming ``model.base_model``. ``source`` is resolved once (a spec) or not at
+    all (a :class:`~rfkit.hub.ModelSource`), and the config is read from the same resolution."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model(name)
-    config = load_config(name, trust_remote_code)
+    source = resolve_source(source)
+    name, path = source.name, source.path
+    config = load_config(source, trust_remote_code)
     AttentionLayout.from_config(config)  # fail on an unknown layout before loading weights
     try:
         from safetensors import SafetensorError
@@ -141,15 +144,25 @@ def build_head_map(
     reuse: bool = True,
     progress: bool = True,
 ) -> HeadMap:
-    """Profile the heads (or reuse a cached profile) and apply ``policy``. A
-    :class:`FromHeadMap` policy profiles nothing (see :func:`reuse_head_map`)."""
+    """Profile the heads (or reuse a cached profile) and apply ``policy``: :func:`profile_for`
+    then :func:`select_heads`. A :class:`FromHeadMap` policy profiles nothing (see
+    :func:`reuse_head_map`)."""
+    if isinstance(policy, FromHeadMap):
+        return select_heads(model, model_name, policy)
+    profile, data_info = profile_for(model, model_name, policy, datamodule, reuse, progress)
+    return select_heads(model, model_name, policy, profile, data_info)
+
+
+def select_heads(model, model_name: str, policy: HeadSelectionPolicy, profile=None, data_info=None) -> HeadMap:
+    """The head map ``policy`` selects from ``profile`` (:func:`profile_for`'s, with its data
+    provenance ``data_info``), recording the model's fingerprint. A :class:`FromHeadMap` policy
+    needs no profile (see :func:`reuse_head_map`)."""
     layout = AttentionLayout.from_config(model.config)
     fingerprint = fingerprint_model(model, model_name)
     if isinstance(policy, FromHeadMap):
         return reuse_head_map(model_name, layout, policy, fingerprint)
-    profile, data_info = profile_for(model, model_name, policy, datamodule, reuse, progress)
     selected = policy.select(layout, profile)
-    return HeadMap.build(model_name, layout, profile, selected, policy, data_info, fingerprint)
+    return HeadMap.build(model_name, layout, profile, selected, policy, data_info or {}, fingerprint)
 
 
 # An attention layer's query / key / value projections, separate in the original and packed into

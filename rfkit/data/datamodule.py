@@ -20,7 +20,8 @@ from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.long import interleaved_loader, long_source_message
 from rfkit.data.sampling import ResumableShuffle, _Blocks
 from rfkit.data.sources import CHECK_TEXT_JSON_BYTES, _source_signature, check_source, check_text, load_documents
-from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, SourceError, cache_dir, is_embedded, looks_like_path, resolve_model
+from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, ModelSource, SourceError, cache_dir, is_embedded
+from rfkit.hub import looks_like_path, resolve_model
 from rfkit.validate import is_int as _is_int
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,13 @@ def _tokenizer_identity(name: str) -> str:
     return name
 
 
-def _load_tokenizer(name: str):
-    """``AutoTokenizer`` for a model id, local directory or embedded name."""
+def _load_tokenizer(source: ModelSource):
+    """``AutoTokenizer`` for a resolved model id, local directory or embedded name."""
     from transformers import AutoTokenizer
 
-    path = resolve_model(name)  # its SourceError names model.base_model, which the CLI links here
+    name = source.name
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(source.path)
     except (OSError, ValueError) as e:
         raise SourceError(f"data.tokenizer: cannot load a tokenizer from '{name}': {_one_line(e)}") from None
     if not getattr(tok, "is_fast", True):
@@ -143,6 +144,7 @@ class TextDataModule(L.LightningDataModule):
         self.validation: torch.Tensor | None = None
         self.train: torch.Tensor | None = None
         self._tokenizer = None
+        self.model_source: ModelSource | None = None  # tokenizer resolved; shared with rfkit.pipeline.resolve
         self._all_blocks: dict[str, torch.Tensor] | None = None
         self._documents: dict[str, int] = {}
         self._resume: tuple[int, int] | None = None  # (epoch, batches) for the next training loader
@@ -243,12 +245,24 @@ class TextDataModule(L.LightningDataModule):
         if self._tokenizer is None:
             if self.tokenizer_name is None:
                 raise SourceError(_NO_TOKENIZER)
-            self._tokenizer = _load_tokenizer(self.tokenizer_name)
+            self._tokenizer = _load_tokenizer(self.tokenizer_source())
         return self._tokenizer
 
     @tokenizer.setter
     def tokenizer(self, value) -> None:
         self._tokenizer = value
+
+    def tokenizer_source(self) -> ModelSource:
+        """``tokenizer`` resolved once (its SourceError names model.base_model, linked here), or as
+        :attr:`model_source` holds it already."""
+        if self.model_source is None or self.model_source.name != self.tokenizer_name:
+            self.model_source = ModelSource(self.tokenizer_name, resolve_model(self.tokenizer_name))
+        return self.model_source
+
+    def tokenizer_spec(self) -> ModelSource | str | None:
+        """``tokenizer`` as :attr:`model_source` resolved it, else its name; resolves nothing."""
+        known = self.model_source
+        return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
     # ---------------------------------------------------------------- building blocks
 
@@ -371,7 +385,7 @@ class TextDataModule(L.LightningDataModule):
         if self.long_source is not None and self.long_train is None:
             if self.tokenizer_name is None:
                 raise SourceError(_NO_TOKENIZER)
-            self.long_train = train_split_blocks(self.long_source, self.tokenizer_name, self.long_seq_len, "data.")
+            self.long_train = train_split_blocks(self.long_source, self.tokenizer_spec(), self.long_seq_len, "data.")
         return self.long_train
 
     def train_sampler(self, dataset, batch_size: int | None = None) -> ResumableShuffle:
@@ -461,13 +475,17 @@ class TextDataModule(L.LightningDataModule):
         return {"long": {**settings, "batch_size": self.long_batch_size}}
 
 
-def train_split_blocks(source: str, tokenizer: str, seq_len: int, prefix: str) -> torch.Tensor:
+def train_split_blocks(source: str, tokenizer: str | ModelSource, seq_len: int, prefix: str) -> torch.Tensor:
     """Every packed block of ``seq_len`` tokens in the **train** split of ``source`` (int64),
     packed as ``data.source``'s are (same default split, same cache), for the long-document
     settings ``{prefix}long_source`` / ``{prefix}long_seq_len`` (``data.`` or
-    ``model.transfer.``), which the one-line :class:`SourceError` names."""
+    ``model.transfer.``), which the one-line :class:`SourceError` names. A resolved
+    ``tokenizer`` (:class:`~rfkit.hub.ModelSource`) is used as it is."""
     try:
-        blocks = TextDataModule(source=source, tokenizer=tokenizer, seq_len=seq_len).split_blocks("train")
+        resolved = tokenizer if isinstance(tokenizer, ModelSource) else None
+        data = TextDataModule(source=source, tokenizer=resolved.name if resolved else tokenizer, seq_len=seq_len)
+        data.model_source = resolved
+        blocks = data.split_blocks("train")
     except SourceError as err:
         raise SourceError(long_source_message(str(err), f"{prefix}long_source")) from None
     if len(blocks) == 0:

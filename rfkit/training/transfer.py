@@ -118,13 +118,13 @@ def long_source_message(message: str) -> str:
     return naming(message, "model.transfer.long_source")
 
 
-def load_long_blocks(config: TransferConfig, tokenizer: str | None, seed: int = 0) -> torch.Tensor | None:
+def load_long_blocks(config: TransferConfig, tokenizer, seed: int = 0) -> torch.Tensor | None:
     """``(long_samples, long_seq_len)`` int64 token ids from the **train** split of
     ``config.long_source`` (``None`` when it is not set).
 
     The source is split, tokenised with ``tokenizer`` (a model id, directory or embedded name:
-    the datamodule's, that is the model's) and packed by :class:`rfkit.data.TextDataModule`
-    with its default split for that source, so its calibration and validation documents (what
+    the datamodule's, that is the model's; or that name resolved, a :class:`~rfkit.hub.ModelSource`)
+    and packed by :class:`rfkit.data.TextDataModule` with its default split for that source, so its calibration and validation documents (what
     ``rfkit eval context`` scores) never appear, and the packed blocks are cached as
     ``data.source``'s are. ``long_samples`` of the split's blocks are drawn without
     replacement by a generator seeded with ``seed`` (all of them, with a warning, when there
