@@ -1,7 +1,7 @@
 """Writes the run's summary.json, head map and converted model (with its model card) at the end of ``rfkit fit``.
 
-The model is written by the pipeline's save step, :func:`rfkit.training.saving.save_model`, which
-this callback runs at the end of training.
+The model is written by the pipeline's save step, :func:`rfkit.pipeline.save`, which this callback
+runs at the end of training.
 
 Distributed runs (DDP, FSDP): every rank takes part in what needs all ranks (summing the
 training tokens, ``trainer.log_dir``, which broadcasts, and, under FSDP, the save step's gather
@@ -18,7 +18,8 @@ import torch
 
 from rfkit.atomic import atomic_write_json
 from rfkit.training.report import final_screen
-from rfkit.training.saving import fsdp_root, save_model
+from rfkit import pipeline
+from rfkit.training.saving import fsdp_root
 
 SUMMARY_FIELDS = (
     "ppl_original",
@@ -89,7 +90,7 @@ class RunSummary(L.Callback):
             # the pipeline's save step, on every rank (under FSDP it gathers the shards first)
             tokenizer = getattr(trainer.datamodule, "tokenizer", None)
             text = config_text(trainer, out) if trainer.is_global_zero else None
-            saved = save_model(trainer, pl_module, out / "model", tokenizer, text, metrics=summary)
+            saved = pipeline.save(trainer, pl_module, out / "model", tokenizer, text, metrics=summary)
         if not trainer.is_global_zero:
             return
         if saved is not None:

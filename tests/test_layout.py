@@ -20,6 +20,7 @@ RANK = {
     "rfkit.models": 2,
     "rfkit.conversion": 3,
     "rfkit.data": 4, "rfkit.training": 4, "rfkit.callbacks": 4,
+    "rfkit.pipeline": 4,  # the named steps that fit (the LightningModule), convert and profile all run
     # the perplexity evaluation that rfkit fit's callbacks run and the eval commands share: it needs
     # only rfkit.training and below, so it ranks with the callbacks, not with the rest of rfkit.evals
     "rfkit.evals.perplexity": 4,

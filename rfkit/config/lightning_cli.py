@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -46,7 +45,8 @@ class RFArgumentParser(LightningArgumentParser):
 
 
 class RFTrainer(Trainer):
-    """Lightning's Trainer plus the subcommands that convert without training."""
+    """Lightning's Trainer plus the subcommands that convert without training; they dispatch to
+    :mod:`rfkit.pipeline`, whose steps ``fit`` runs too."""
 
     rf_ckpt_path: str | None = None
     rf_ckpt_meta: dict | None = None
@@ -73,26 +73,11 @@ class RFTrainer(Trainer):
                 of high/mid/low RA-I heads, and the first-token contribution table (JSON, MD).
             device: Where the model runs: cpu, cuda or cuda:N (default: cuda when available).
         """
-        from rfkit.atomic import atomic_write_text
+        from rfkit import pipeline
         from rfkit.devices import torch_device
-        from rfkit.conversion.convert import build_head_map, load_base_model
 
-        where = torch_device(device)
-        base = load_base_model(model.base_model, model.dtype_name, model.trust_remote_code).to(where)
-        print(f"profiling on {where}")
-        head_map = build_head_map(base, model.base_model, model.policy, datamodule, reuse=model.reuse_profile)
-        head_map.save(output)
-        print(f"head map: {head_map.replaced_heads} of {head_map.total_heads} query heads selected -> {output}")
         config_text = getattr(self, "rf_config_text", None)
-        if config_text is not None:  # the resolved recipe beside the map
-            atomic_write_text(Path(output).parent / "config.yaml", config_text)
-            print(f"resolved config -> {Path(output).parent / 'config.yaml'}")
-        if report and datamodule is not None:
-            from rfkit.conversion.head_report import write_head_report
-
-            paths = write_head_report(base, head_map, datamodule.calibration_dataloader(), Path(output).parent)
-            print("head report: " + ", ".join(str(p) for p in paths.values()))
-        return head_map
+        return pipeline.run_profile(model, datamodule, output, report, torch_device(device), config_text)
 
     def convert(self, model, datamodule=None, output: str = "converted", device: str | None = None):
         """Profile, select, replace and run the recipe's attention transfer (no end-to-end training);
@@ -104,18 +89,10 @@ class RFTrainer(Trainer):
             device: Where profiling, conversion and transfer run: cpu, cuda or cuda:N (default:
                 cuda when available).
         """
+        from rfkit import pipeline
         from rfkit.devices import torch_device
 
-        model.prepare(datamodule, callbacks=self.callbacks, device=torch_device(device))
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        # what conversion measured (parameters, transfer MSE, and whatever the callbacks' convert
-        # hooks filled in); the end-to-end numbers come with rfkit fit
-        from rfkit.training.report import final_screen
-        from rfkit.training.saving import save_model
-
-        out = save_model(self, model, output, tokenizer, getattr(self, "rf_config_text", None), dict(model.run_metrics))
-        print(final_screen(dict(model.run_metrics), "convert", out, None))
-        return out
+        return pipeline.run_convert(self, model, datamodule, output, torch_device(device))
 
 
 class RFKitCLI(LightningCLI):

@@ -16,6 +16,7 @@ import torch
 
 from rfkit.devices import torch_device  # noqa: F401  (the commands import it from here)
 from rfkit.errors import RFKitError
+from rfkit.hub import ModelSource
 
 
 class ModelSpecError(RFKitError):
@@ -134,15 +135,17 @@ class LoadedModel:
     notes: list[str]
 
 
-def load_tokenizer(spec_dir: Path | None, base_model: str):
+def load_tokenizer(spec_dir: Path | None, base_model):
+    """The tokenizer saved in ``spec_dir``, else the base model's: ``base_model`` is a spec,
+    resolved only then, or a :class:`~rfkit.hub.ModelSource` resolved already."""
     from transformers import AutoTokenizer
 
-    from rfkit.hub import resolve_model
+    from rfkit.hub import resolve_source
 
     if spec_dir is not None and (spec_dir / "tokenizer_config.json").exists():
         tok = AutoTokenizer.from_pretrained(str(spec_dir))
     else:
-        tok = AutoTokenizer.from_pretrained(resolve_model(base_model))
+        tok = AutoTokenizer.from_pretrained(resolve_source(base_model).path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -152,11 +155,13 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
     """The model a spec names, in eval mode on ``device``, with its tokenizer.
 
     ``original=True`` loads the unconverted base model instead (for a converted directory, the
-    base model named in its head map; for a recipe, the recipe's ``model.base_model``).
+    base model named in its head map; for a recipe, the recipe's ``model.base_model``). The base
+    model's spec is resolved once (:func:`rfkit.pipeline.resolve`) and that resolution serves its
+    config, weights and tokenizer.
     """
     from transformers import AutoModelForCausalLM
 
-    from rfkit.conversion.convert import load_base_model
+    from rfkit import pipeline
     from rfkit.conversion.headmap import HeadMap
 
     kind = check_model_spec(spec, require_converted=False)
@@ -166,7 +171,8 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
         has_map = (path / "head_map.json").exists()
         base = HeadMap.load(path / "head_map.json").model if has_map else str(path)
         if original and has_map:
-            model = load_base_model(base, DTYPE_NAMES.get(dir_dtype(path), "float32"))
+            base = pipeline.resolve(base)
+            model = pipeline.load(base, DTYPE_NAMES.get(dir_dtype(path), "float32"))
             converted = False
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True)
@@ -174,19 +180,21 @@ def load_model(spec: str, original: bool = False, device: torch.device | str = "
         tokenizer = load_tokenizer(path, base)
     else:
         module, datamodule = parse_recipe(spec)
-        base = module.base_model
         if original:
-            model = load_base_model(base, module.dtype_name, module.trust_remote_code)
+            module.source = pipeline.resolve(module.base_model, datamodule)
+            model = pipeline.load(module.source, module.dtype_name, module.trust_remote_code)
             converted = False
         else:
             module.prepare(datamodule, callbacks=[], device=device)  # profiled and converted on the device
             model, converted = module.model, True
             notes.append("converted from the recipe without training")
+        base = module.source
         tokenizer = load_tokenizer(None, base)
     model.to(device).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     name = f"{spec} (original)" if original else spec
-    return LoadedModel(model, tokenizer, name, base, converted, notes)
+    base_name = base.name if isinstance(base, ModelSource) else base
+    return LoadedModel(model, tokenizer, name, base_name, converted, notes)
 
 
 def dir_dtype(path: Path):

@@ -2,7 +2,8 @@
 
 Policy, operator, optimizer and scheduler are injected from the recipe. The conversion runs
 in :meth:`configure_model`, so that the datamodule (calibration data) and the callbacks
-(which measure the original model first) are in place.
+(which measure the original model first) are in place; it is :mod:`rfkit.pipeline`'s steps,
+which ``rfkit convert`` and ``rfkit profile`` run too.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import lightning as L
 import torch
 from jsonargparse import lazy_instance
 
+from rfkit import pipeline
 from rfkit.classpath import public_path
-from rfkit.conversion.convert import build_head_map, convert, load_base_model, param_counts, parameter_delta
 from rfkit.conversion.headmap import HeadMap
 from rfkit.conversion.policies import HeadSelectionPolicy, PolicyError, RecencyRatioPolicy
-from rfkit.hub import SourceError
-from rfkit.models.layout import AttentionLayout
+from rfkit.hub import ModelSource, SourceError
 from rfkit.models.lora import LoraSettings
 from rfkit.models.mixer import draw_for_batch
 from rfkit.models.precision import keep_new_weights_float32
@@ -36,25 +36,20 @@ from rfkit.training.freeze import (
     FreezeStage,
     apply_freeze,
     check_schedule,
-    init_from_attention,
     no_weights_message,
     stage_at,
     trainable_names,
     trains,
-    trains_shared,
 )
 from rfkit.training.losses import summed_nll
 from rfkit.training.precision import prepare_fsdp, restore_frozen_parameters
 from rfkit.training.progress import Phases
+from rfkit.training.teacher import SHARED_TEACHER_FROZEN
 from rfkit.training.transfer import TransferConfig
 
 log = logging.getLogger(__name__)
 
 INIT_CHOICES = ("random", "from_attention")
-SHARED_TEACHER_FROZEN = (
-    "model.distill.share_modules: the teacher shares the pretrained weights that model.freeze trains; "
-    "freeze them (freeze: pretrained, mixers or lora) or set share_modules: false"
-)
 
 
 class RecurFormerModule(L.LightningModule):
@@ -131,8 +126,7 @@ class RecurFormerModule(L.LightningModule):
         self.lora = lora
         self.gradient_checkpointing = bool(gradient_checkpointing)
         if distill is not None and distill.needs_teacher and distill.share_modules:
-            stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [freeze]
-            if "none" in stages:
+            if "none" in self.freeze_stages():
                 raise PolicyError(SHARED_TEACHER_FROZEN)
         self.teacher = None
         self._stage = None
@@ -147,6 +141,7 @@ class RecurFormerModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         check_model_source(base_model, trust_remote_code)
+        self.source: ModelSource | None = None  # base_model resolved, once (rfkit.pipeline.resolve)
 
         self.model = None
         self.head_map: HeadMap | None = None
@@ -158,8 +153,8 @@ class RecurFormerModule(L.LightningModule):
         self._wall_before = 0.0  # seconds spent by the runs this one resumes
         self._epoch_batches = 0  # training batches done in the current epoch (saved as the data position)
         self._saved_step: int | None = None  # global step of the last checkpoint this run wrote
-        self._hold_by_grad = False  # freeze stages by dropping gradients (DDP/FSDP; see _improve)
-        self._sharded = False  # FSDP wraps the model (see _improve)
+        self._hold_by_grad = False  # freeze stages by dropping gradients (DDP/FSDP; see place_freezing)
+        self._sharded = False  # FSDP wraps the model (see place_freezing)
 
     # -- conversion ---------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -167,7 +162,7 @@ class RecurFormerModule(L.LightningModule):
         trains nothing else is refused here rather than after the model has loaded."""
         if stage != "fit" or getattr(self.operator, "trainable", True):
             return
-        stages = [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
+        stages = self.freeze_stages()
         idle = {"mixers", "all"} | ({"pretrained", "lora"} if self.lora is None else set())
         if all(isinstance(f, str) and f in idle for f in stages):
             raise PolicyError(no_weights_message(self.operator, stages[0]))
@@ -182,14 +177,26 @@ class RecurFormerModule(L.LightningModule):
             return
         self.prepare(datamodule, callbacks=self.trainer.callbacks if self._trainer is not None else [])
 
-    def _load_base(self, device=None):
-        """The base model on the device where profiling, conversion and transfer run: ``device`` when
-        given (``rfkit convert --device``, the evaluations), else the trainer's (this rank's GPU under
-        DDP and FSDP, which shards a module already there), else the CPU; recorded in the summary."""
-        model = load_base_model(self.base_model, self.dtype_name, self.trust_remote_code)
-        model.to(device if device is not None else self.trainer.strategy.root_device if self._trainer is not None else "cpu")
-        self.run_metrics["device"] = str(next(model.parameters()).device)
-        return model
+    def conversion_device(self, device=None):
+        """Where profiling, conversion and transfer run: ``device`` when given (``rfkit convert
+        --device``, the evaluations), else the trainer's (this rank's GPU under DDP and FSDP,
+        which shards a module already there), else the CPU."""
+        if device is not None:
+            return device
+        return self.trainer.strategy.root_device if self._trainer is not None else "cpu"
+
+    def selection_policy(self) -> HeadSelectionPolicy:
+        """The policy that selects the heads: ``model.policy``, or with ``model.head_map`` that
+        map (the same as ``policy: FromHeadMap``: no profiling, its provenance kept)."""
+        if not self.head_map_path:
+            return self.policy
+        from rfkit.conversion.policies import FromHeadMap
+
+        return FromHeadMap.for_field(self.head_map_path, "model.head_map")
+
+    def freeze_stages(self) -> list:
+        """The freeze settings this run goes through: each stage's of ``freeze_schedule``, or ``[freeze]``."""
+        return [st.freeze for st in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
 
     def _apply(self, fn, *args, **kwargs):
         """Every cast of the module (Lightning's ``bf16-true`` casts it with ``.to(torch.bfloat16)``)
@@ -209,17 +216,14 @@ class RecurFormerModule(L.LightningModule):
 
         meta = meta or self.check_checkpoint(path, read_meta(path))  # the trainer has checked the meta it passes
         head_map = HeadMap.from_dict(meta["head_map"], where=f"--ckpt_path '{path}'")
-        model = self._load_base()
-        head_map.check_layout(AttentionLayout.from_config(model.config), "--ckpt_path", str(path))
-        self.model = convert(model, head_map, self.operator)
-        self.head_map = head_map
+        pipeline.rebuild(self, head_map, str(path), datamodule)
         self.run_metrics.update(meta.get("run_metrics") or {})
         self.resumed_from = str(path)
         log.info(
             "rebuilt the converted model from checkpoint %s (%d of %d query heads replaced); no profiling",
             path, head_map.replaced_heads, head_map.total_heads,
         )  # fmt: skip
-        self._improve(datamodule, restoring=True)
+        pipeline.improve(self, datamodule, restoring=True)
         self.model.train()
         if hasattr(datamodule, "resume_at"):  # the loader does resume mid-epoch (see on_load_checkpoint)
             import warnings
@@ -290,71 +294,15 @@ class RecurFormerModule(L.LightningModule):
             datamodule.resume_at(position["epoch"], position["batches"])
 
     def prepare(self, datamodule=None, callbacks=(), device=None) -> None:
-        """Load, profile, select and replace, on ``device`` (default: the trainer's, else the CPU).
-        Callbacks with ``on_before_convert`` / ``on_after_convert`` see the original and the
-        converted model."""
-        with self.phases("load", self.base_model):
-            model = self._load_base(device)
-        policy = self.policy
-        if self.head_map_path:  # the same as policy: FromHeadMap (no profiling; provenance kept)
-            from rfkit.conversion.policies import FromHeadMap
+        """Load, profile, select and replace, on ``device`` (default: the trainer's, else the CPU),
+        then the quality methods: :func:`rfkit.pipeline.prepare`. Callbacks with
+        ``on_before_convert`` / ``on_after_convert`` see the original and the converted model."""
+        pipeline.prepare(self, datamodule, callbacks, device)
 
-            policy = FromHeadMap.for_field(self.head_map_path, "model.head_map")
-        self.phases.start("profile")
-        head_map = build_head_map(model, self.base_model, policy, datamodule, reuse=self.reuse_profile)
-        self.phases.end("profile", f"{head_map.replaced_heads} of {head_map.total_heads} query heads selected")
-        self.model = model
-        if any(hasattr(cb, "on_before_convert") for cb in callbacks):
-            with self.phases("measure", "the original model"):
-                for cb in callbacks:
-                    if hasattr(cb, "on_before_convert"):
-                        cb.on_before_convert(self, datamodule)
-        before = param_counts(model)
-        with self.phases("convert", type(self.operator).__name__):
-            self.model = convert(model, head_map, self.operator)
-        self.head_map = head_map
-        added, removed = parameter_delta(before, self.model)
-        self.run_metrics.update(
-            params_added=added,
-            params_removed=removed,
-            replaced_heads=head_map.replaced_heads,
-            total_heads=head_map.total_heads,
-        )
-        log.info(
-            "replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed
-        )
-        self._improve(datamodule)
-        self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
-        for cb in callbacks:
-            if hasattr(cb, "on_after_convert"):
-                cb.on_after_convert(self, datamodule)
-
-    def _improve(self, datamodule, restoring: bool = False) -> None:
-        """The quality methods that act on the freshly converted model, in order: init, transfer,
-        LoRA, freezing, and the teacher for distillation. ``restoring`` (a checkpoint's weights
-        follow) skips init and transfer."""
-        if self.init == "from_attention" and not restoring:
-            init_from_attention(self.model, self.operator)
-        trainable = getattr(self.operator, "trainable", True)
-        if self.transfer_config is not None and not trainable:
-            log.info("model.transfer: skipped, %s has no weights to learn", type(self.operator).__name__)
-        if self.transfer_config is not None and trainable and self.model.rf_originals and not restoring:
-            from rfkit.training.transfer import load_long_blocks, transfer
-
-            if datamodule is None or getattr(datamodule, "calibration", None) is None:
-                raise PolicyError("model.transfer: attention transfer needs calibration data (a data section)")
-            with self.phases("transfer", f"{self.transfer_config.steps} steps"):
-                tokenizer = getattr(datamodule, "tokenizer_name", None) or self.base_model  # the model's
-                long = load_long_blocks(self.transfer_config, tokenizer, seed=getattr(datamodule, "seed", 0))
-                report = transfer(self.model, datamodule.calibration, self.transfer_config, long_blocks=long)
-            self.run_metrics["transfer"] = {k: v for k, v in report.items() if k != "losses"}
-        if self.lora is not None:
-            from rfkit.models.lora import apply_lora
-
-            self.run_metrics["lora_layers"] = apply_lora(self.model, self.lora)
-        keep_new_weights_float32(self.model)  # mixers and adapters: float32 beside a bf16 base
-        if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    def place_freezing(self) -> None:
+        """Freeze what the (first) freeze stage holds, as the trainer's strategy allows (part of
+        :func:`rfkit.pipeline.improve`): under FSDP the new weights get their own units; once DDP
+        or FSDP owns the parameters a freeze schedule works by dropping gradients instead."""
         strategy = self.trainer.strategy if self._trainer is not None else None
         sharded = self._sharded = prepare_fsdp(strategy, self.model) > 0  # under FSDP: the new weights' own units
         # Once a wrapper owns the parameters (DDP over several processes, FSDP on any number) a freeze
@@ -370,14 +318,6 @@ class RecurFormerModule(L.LightningModule):
         else:
             apply_freeze(self.model, self.freeze_schedule[0].freeze if self.freeze_schedule else self.freeze)
         self._stage = 0 if self.freeze_schedule else None
-        if self.distill is not None and self.distill.needs_teacher:
-            from rfkit.training.teacher import SharedTeacher
-
-            stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
-            if self.distill.share_modules and any(trains_shared(self.model, f) for f in stages):
-                raise PolicyError(SHARED_TEACHER_FROZEN)
-            self.teacher = SharedTeacher(self.model, self.distill.share_modules)
-            self.run_metrics.update(self.teacher.memory())
 
     # -- training -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, **kwargs):
@@ -407,7 +347,7 @@ class RecurFormerModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         """Stop before an optimizer step with non-finite gradients would spoil the weights (and
         the next checkpoint). fp16 AMP skips such steps itself, so it is left to its scaler. Under
-        DDP / FSDP with a freeze schedule, first drops the gradients the current stage holds (``_improve``)."""
+        DDP / FSDP with a freeze schedule, first drops the gradients the current stage holds (``place_freezing``)."""
         if self._hold_by_grad:
             freeze = self.freeze_schedule[self._stage].freeze
             for name, param in self.model.named_parameters():
@@ -474,8 +414,7 @@ class RecurFormerModule(L.LightningModule):
         return {"nll_sum": nll.detach(), "tokens": n}
 
     def configure_optimizers(self):
-        stages = [s.freeze for s in self.freeze_schedule] if self.freeze_schedule else [self.freeze]
-        names = set().union(*(trainable_names(self.model, f) for f in stages))
+        names = set().union(*(trainable_names(self.model, f) for f in self.freeze_stages()))
         params = [p for n, p in self.model.named_parameters() if n in names]
         if not params:
             if not getattr(self.operator, "trainable", True):

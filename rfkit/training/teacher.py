@@ -22,6 +22,12 @@ from torch import nn
 
 from rfkit.errors import RFKitError
 
+#: why a teacher that shares modules cannot be built: the student trains some of them
+SHARED_TEACHER_FROZEN = (
+    "model.distill.share_modules: the teacher shares the pretrained weights that model.freeze trains; "
+    "freeze them (freeze: pretrained, mixers or lora) or set share_modules: false"
+)
+
 
 class TeacherError(RFKitError):
     """The teacher cannot be built as asked; one line for the user."""

@@ -75,16 +75,14 @@ def fake_hub_cache(cache: Path, model_dir: Path, repo: str, weights: str = "inco
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    """Fail any case that loads a model before refusing its input (``rfkit.training.module`` holds its
-    own reference, bound at import, so both are replaced)."""
+    """Fail any case that loads a model before refusing its input (every command loads through
+    :func:`rfkit.pipeline.load`, which looks ``load_base_model`` up when it runs)."""
     import rfkit.conversion.convert
-    import rfkit.training.module
 
     def load(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
     monkeypatch.setattr(rfkit.conversion.convert, "load_base_model", load)
-    monkeypatch.setattr(rfkit.training.module, "load_base_model", load)
 
 
 @pytest.fixture
