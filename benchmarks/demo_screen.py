@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "demo_smollm2_b05_screen")
     args = parser.parse_args(argv)
     if args.log is None:
-        done = subprocess.run(["make", "demo"], cwd=ROOT, capture_output=True, text=True)
-        text = done.stdout + done.stderr
+        # one stream, as a terminal interleaves them (the step bar writes to stdout, the rest to stderr)
+        done = subprocess.run(["make", "demo"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        text = done.stdout
         if done.returncode != 0:
             sys.stderr.write(text[-3000:])
             return done.returncode
