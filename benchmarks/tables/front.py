@@ -7,10 +7,10 @@ from __future__ import annotations
 from . import load, table
 
 DEMO = "demo_smollm2_b05_screen/summary.json"
-CONTEXT = "context_smollm2_b05_issue36/context.json"  # the default fit on the current code
+CONTEXT = "context_smollm2_b05_demo/context.json"  # the make demo fit (the same model as DEMO)
 BASELINE = "context_smollm2_b05_longmix/context.json"  # same blocks; holds the training-free rows
-SPEED = "speed_issue36/after.json"
-SPEED_BASELINE = "speed_issue36/sink_recent_after.json"
+SPEED = "speed_current/converted.json"
+SPEED_BASELINE = "speed_current/sink_recent.json"
 LENGTHS = ("2048", "8192")
 
 
