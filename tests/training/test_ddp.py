@@ -179,15 +179,22 @@ def run_fit(args: list[str], cache: Path, cwd: Path, timeout: float = 240) -> su
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str) -> dict:
+def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str, in_process: bool = False) -> dict:
     """One ``rfkit fit`` of the tiny recipe (``tiny_args`` of test_cli) under ``root``; the run's
-    summary, head map and output, after checking that exactly one summary was written."""
-    from helpers import tiny_args
+    summary, head map and output (none in process), after checking that exactly one summary was
+    written. A distributed run needs its own interpreter (Lightning launches rank 1 by running
+    the command again); the single-process run it is compared with does not."""
+    from helpers import run_in_process, tiny_args
 
     run_root = root / name
     args = [*tiny_args(tiny_model_dir, tiny_corpus, run_root), "--model.reuse_profile", "false", *extra]
-    done = run_fit(args, root / "cache", root)
-    assert done.returncode == 0, done.stderr[-4000:]
+    if in_process:
+        run_in_process(["fit", *args], root / "cache")
+        output = ""
+    else:
+        done = run_fit(args, root / "cache", root)
+        assert done.returncode == 0, done.stderr[-4000:]
+        output = done.stdout + done.stderr
     summaries = sorted(run_root.rglob("summary.json"))
     assert len(summaries) == 1, summaries  # rank 0 alone writes it
     run = summaries[0].parent
@@ -195,14 +202,14 @@ def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str) -> 
         "summary": json.loads(summaries[0].read_text()),
         "head_map": json.loads((run / "head_map.json").read_text()),
         "dir": run,
-        "output": done.stdout + done.stderr,
+        "output": output,
     }
 
 
 @pytest.fixture(scope="module")
 def single_run(tiny_model_dir, tiny_corpus, tmp_path_factory):
     """The tiny fit in one process: what the distributed runs are compared with."""
-    return fit_run("single", tmp_path_factory.mktemp("fits"), tiny_model_dir, tiny_corpus)
+    return fit_run("single", tmp_path_factory.mktemp("fits"), tiny_model_dir, tiny_corpus, in_process=True)
 
 
 CPU2 = ["--trainer.devices", "2", "--trainer.accelerator", "cpu"]

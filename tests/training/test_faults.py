@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAMBA, run_cli, tiny_args
+from helpers import MAMBA, run_cli, run_in_process, tiny_args
 
-from rfkit.cli import main
 from rfkit.training.checkpointing import AtomicCheckpointIO, read_meta
 
 TESTS = Path(__file__).resolve().parents[1]  # fault_callbacks.py
@@ -72,23 +71,11 @@ def summary(root) -> dict:
     return json.loads(next(Path(root).rglob("summary.json")).read_text())
 
 
-def fit_in_process(args, cache) -> None:
-    """``rfkit ARGS`` in this process (no interpreter start-up: a few seconds per run), with the
-    subprocess runs' cache. Only the run that is killed needs a process of its own; a resumed run
-    in process must, and does, end exactly where a run in a fresh interpreter ends."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RFKIT_CACHE", str(cache))
-        try:
-            main(list(args))
-        except SystemExit as exit:
-            assert exit.code in (0, None), f"rfkit {args[0]} exited with {exit.code}"
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tiny_corpus, tmp_path_factory):
     """One whole run: its directory, losses and summary."""
     base = tmp_path_factory.mktemp("whole")
-    fit_in_process(fit_args(tiny_model_dir, tiny_corpus, base / "run", *record(base / "losses.jsonl")), base / "cache")
+    run_in_process(fit_args(tiny_model_dir, tiny_corpus, base / "run", *record(base / "losses.jsonl")), base / "cache")
     return {"root": base / "run", "losses": losses(base / "losses.jsonl"), "summary": summary(base / "run"), "cache": base / "cache"}
 
 
@@ -124,7 +111,7 @@ def test_kill_9_mid_training_then_ckpt_path_last_resumes_to_the_same_result(unin
 
     # the same command with --ckpt_path last
     with caplog.at_level("INFO", logger="rfkit"):
-        fit_in_process(fit_args(tiny_model_dir, tiny_corpus, root, *record(lost), "--ckpt_path", "last"), uninterrupted["cache"])
+        run_in_process(fit_args(tiny_model_dir, tiny_corpus, root, *record(lost), "--ckpt_path", "last"), uninterrupted["cache"])
     said = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("rfkit"))
     assert "rebuilt the converted model from checkpoint" in said
     assert "profiling heads" not in said and "reusing head profile" not in said  # no profiling
@@ -303,7 +290,7 @@ def test_kill_9_then_resume_with_window_dropout_ends_with_the_same_weights_exact
     perplexity, bit for bit."""
     cache = tmp_path / "cache"
     whole_root = tmp_path / "whole"
-    fit_in_process(hybrid_args(tiny_model_dir, tiny_corpus, whole_root), cache)
+    run_in_process(hybrid_args(tiny_model_dir, tiny_corpus, whole_root), cache)
 
     root, marker = tmp_path / "run", tmp_path / "hung"
     hang = ["--trainer.callbacks+=fault_callbacks.HangAt", "--trainer.callbacks.step", str(KILL_AT), "--trainer.callbacks.marker", str(marker)]
@@ -320,7 +307,7 @@ def test_kill_9_then_resume_with_window_dropout_ends_with_the_same_weights_exact
     streams = checkpoint["rfkit_random_states"]["modules"]
     assert streams and all(name.endswith(".mixer") for name in streams)  # one per hybrid block
 
-    fit_in_process(hybrid_args(tiny_model_dir, tiny_corpus, root, "--ckpt_path", "last"), cache)
+    run_in_process(hybrid_args(tiny_model_dir, tiny_corpus, root, "--ckpt_path", "last"), cache)
     want, got = saved_weights(whole_root), saved_weights(root)
     assert sorted(got) == sorted(want)
     trained = [key for key in want if ".mixer." in key]
