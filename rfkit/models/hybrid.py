@@ -326,15 +326,17 @@ class HybridWindowAttention(WindowAttention):
 
     # -- one decode token ------------------------------------------------------------------------
     def step_constants(self, dtype, device) -> dict:
-        """The decode step's weights in ``dtype``: the feature maps with their negation appended
-        (one softmax over a ``(2, f/2)`` view gives ``phi``), per KV head and per query group,
-        ``log g`` per query head and the decay ``gamma`` per KV head (None without decay)."""
-        both = lambda maps: torch.cat([maps, -maps], -1).to(device, dtype)  # noqa: E731
+        """The decode step's weights in ``dtype``: the feature maps with their negation appended,
+        as ``(.., hd, 2, f/2)`` so that one einsum and one softmax over the last axis give ``phi``
+        in halves, per KV head and per query group; ``log g`` per query head ``(G, rep, 1)`` and
+        the decay ``gamma`` per KV head (None without decay)."""
+        both = lambda maps: torch.cat([maps, -maps], -1).to(device, dtype).unflatten(-1, (2, -1))  # noqa: E731
         gamma = None if self.log_horizon is None else self.log_decay().exp().to(device, dtype)
         return {
-            "maps": both(self.feature_map),  # (Hkv, hd, f)
-            "group_maps": both(self._group_maps()),  # (G, hd, f)
-            "log_g": self._log_weight(dtype).to(device).unsqueeze(-1),  # (G, rep, 1, 1)
+            "maps": both(self.feature_map),  # (Hkv, hd, 2, f/2)
+            "group_maps": both(self._group_maps()),  # (G, hd, 2, f/2)
+            "log_g": self._log_weight(dtype).to(device),  # (G, rep, 1)
+            "one": torch.ones((), dtype=dtype, device=device),
             "gamma_S": None if gamma is None else gamma.view(1, -1, 1, 1),
             "gamma_z": None if gamma is None else gamma.view(1, -1, 1),
         }
@@ -347,7 +349,7 @@ class HybridWindowAttention(WindowAttention):
         k_old, v_old = keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1]
         if constants["cast"]:  # half-precision K/V beside float32 sums
             k_old, v_old = k_old.to(S.dtype), v_old.to(S.dtype)
-        phi = torch.einsum("bhqd,hdf->bhf", k_old, constants["maps"]).unflatten(-1, (2, -1)).softmax(-1).flatten(-2)
+        phi = torch.einsum("bhqd,hdkf->bhkf", k_old, constants["maps"]).softmax(-1).flatten(-2)  # (B, Hkv, f)
         if constants["gamma_S"] is not None:
             S.mul_(constants["gamma_S"])
             z.mul_(constants["gamma_z"])
@@ -359,20 +361,22 @@ class HybridWindowAttention(WindowAttention):
         read-out under one normaliser. With ``lse`` the log-sum-exp of the window scores and
         ``o`` the window's softmax output, ``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` is
         ``(o + w a) / (1 + w zl)`` with ``w = g e^{-lse}`` (``lse`` clamped from below where the
-        other paths clamp ``m``; the two agree unless every window score is below -60)."""
+        other paths clamp ``m``; the two agree unless every window score is below -60). The query
+        axis (length 1) is summed away in the einsums, so ``lse`` and ``zl`` come out
+        ``(B, G, rep, 1)`` and broadcast over ``hd`` as they are."""
         if constants["cast"]:
             dtype = q.dtype
             q, keys, values = q.to(state[3].dtype), keys.to(state[3].dtype), values.to(state[3].dtype)
         qg = q.unflatten(1, (-1, self.rep))  # (B, G, rep, 1, hd)
         keys, values, S, z = (t if self.grouped else self._per_query(t) for t in (keys, values, state[3], state[4]))
         scores = torch.einsum("bgrqd,bgsd->bgrqs", qg, keys).mul_(self.scaling)
-        lse = scores.logsumexp(-1, keepdim=True)
-        o = torch.einsum("bgrqs,bgsd->bgrqd", scores.sub_(lse).exp_(), values)
-        phi_q = torch.einsum("bgrqd,gdf->bgrqf", qg, constants["group_maps"]).unflatten(-1, (2, -1)).softmax(-1).flatten(-2)
-        a = torch.einsum("bgrqf,bgfd->bgrqd", phi_q, S)
-        zl = torch.einsum("bgrqf,bgf->bgrq", phi_q, z).unsqueeze(-1)
+        lse = scores.logsumexp(-1)  # (B, G, rep, 1)
+        o = torch.einsum("bgrqs,bgsd->bgrd", scores.softmax(-1), values)
+        phi_q = torch.einsum("bgrqd,gdkf->bgrqkf", qg, constants["group_maps"]).softmax(-1).flatten(-2)  # (B, G, rep, 1, f)
+        a = torch.einsum("bgrqf,bgfd->bgrd", phi_q, S)
+        zl = torch.einsum("bgrqf,bgf->bgrq", phi_q, z)
         w = (constants["log_g"] - lse.clamp_min(_MIN_MAX_SCORE)).exp_()
-        y = torch.addcmul(o, w, a).div_(w.mul_(zl).add_(1.0)).reshape(-1, 1, self.d_out)
+        y = torch.addcmul(o, w, a).div_(torch.addcmul(constants["one"], w, zl)).reshape(-1, 1, self.d_out)
         return y.to(dtype) if constants["cast"] else y
 
     def _before_write(self, state, slot, rows) -> None:

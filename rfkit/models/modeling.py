@@ -40,6 +40,7 @@ the model classes that rebuild it from a config are one unit: a saved folder shi
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -79,6 +80,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     (its ``rotate_half`` written out: it reads ``x.shape`` twice, one more call per decode step)."""
     half = x.shape[-1] // 2
     return x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
+
+
+#: the last :func:`rotation_matrix`: weak references to the ``cos`` / ``sin`` it was built from, and it
+_LAST_ROTATION: list = [None, None, None]
+
+
+def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` as a matrix ``R`` ``(B, L, hd, hd)``: ``x @ R`` for ``x`` ``(B, H, L, hd)``
+    rotates every head in one call. ``R = diag(cos) + P diag(sin)`` with ``P`` the signed
+    permutation of ``rotate_half`` (``P = rotate_half(I)``). A decode step's layers share one
+    ``cos`` / ``sin`` pair (the model computes them once per forward), so the matrix is built
+    once per token, by the first converted layer, and found again by the others."""
+    last = _LAST_ROTATION
+    if last[0] is not None and last[0]() is cos and last[1]() is sin:
+        return last[2]
+    hd = cos.shape[-1]
+    eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
+    signed = torch.cat((-eye[:, hd // 2 :], eye[:, : hd // 2]), dim=-1)  # rotate_half of I's rows
+    matrix = torch.diag_embed(cos) + signed * sin.unsqueeze(-2)
+    last[:] = [weakref.ref(cos), weakref.ref(sin), matrix]
+    return matrix
 
 
 def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -143,6 +165,9 @@ class RecurFormerAttention(nn.Module):
             self.parts[name] = (start, start + count)
             start += count
         self.rotated_heads = self.parts["mk"][1]  # q, mq, k, mk: the heads RoPE applies to
+        # a decode step splits the packed heads in two calls: rotated | v | mv, then q | mq | k | mk
+        self._unrotated_split = [self.rotated_heads, counts["v"], counts["mv"]]
+        self._rotated_split = [counts[name] for name in ("q", "mq", "k", "mk")]
         self.has_kept = bool(kept)
         self.qkv_proj = None
         self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
@@ -377,21 +402,22 @@ class RecurFormerAttention(nn.Module):
         return self.layer_idx in mixer_state_store(cache)
 
     def _decode(self, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> torch.Tensor:
-        """One decode token through the layer with the fewest tensor ops: one GEMM, one rotary call,
-        views of the packed heads, the kept heads' attention (SDPA directly when the model uses
-        it and there is no mask or sliding window) and the mixer's step; ``(B, 1, hidden)``. The
-        same ops on every device."""
+        """One decode token through the layer with the fewest tensor ops: one GEMM, two splits of the
+        packed heads around one rotary matrix product (:func:`rotation_matrix`), the kept heads'
+        attention (SDPA directly when the model uses it and there is no mask or sliding window)
+        and the mixer's step; ``(B, 1, hidden)``. The same ops on every device."""
         heads = self.qkv_proj(hidden_states).view(-1, self.parts["mv"][1], 1, self.head_dim)  # (B, N, 1, hd): L = 1
-        rotated = rotate(heads[:, : self.rotated_heads], *position_embeddings) if self.rotated_heads else None
+        rotated, value, mixer_v = heads.split(self._unrotated_split, dim=1)
+        if self.rotated_heads:  # every rotated head in one matrix product (rotation_matrix)
+            query, mixer_q, key, mixer_k = (rotated @ rotation_matrix(*position_embeddings)).split(self._rotated_split, dim=1)
         outputs = []
         if self.has_kept:
-            key, value = cache.update(self._part(rotated, "k"), self._part(heads, "v"), self.layer_idx)
-            outputs.append(self._attend_one(self._part(rotated, "q"), key, value, attention_mask, kwargs))
+            key, value = cache.update(key, value, self.layer_idx)
+            outputs.append(self._attend_one(query, key, value, attention_mask, kwargs))
         else:
             self._record_headless(cache, hidden_states)
-        mixer_v = self._part(heads, "mv")
         if self.mixer_reads_qk:
-            x = (self._part(rotated, "mq"), self._part(rotated, "mk"), mixer_v)
+            x = (mixer_q, mixer_k, mixer_v)
         else:
             x = mixer_v.reshape(-1, 1, len(self.mixer_kv_heads) * self.head_dim)
         outputs.append(self._mix(x, cache))  # (B, 1, Hq_m * hd)
