@@ -151,6 +151,8 @@ def layer_step(model, context: int, seed: int, device, steps: int = 8) -> dict:
         "layers": len(watched),
         "step_us": 1e6 * statistics.median(timed),
         "torch_calls": statistics.median(calls),
+        # per converted layer, in order: the first also builds what a token's layers share (the rotary matrix)
+        "torch_calls_per_layer": calls,
     }
 
 

@@ -171,9 +171,37 @@ class _HeadlessDynamicLayer(DynamicLayer):
     recorded instead; everything else (crop, reorder, reset) is ``DynamicLayer``'s.
     """
 
+    #: decode tokens counted on the host (:func:`advance_headless`), beside the zero-head K/V's length
+    decoded = 0
+
     def get_seq_length(self) -> int:
         keys = self.keys if self.is_initialized else None
-        return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+        return (keys.shape[-2] if keys is not None and keys.dim() == 4 else 0) + self.decoded
+
+    def reset(self) -> None:
+        self.decoded = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.decoded:  # the host-counted tokens go first
+            taken = min(self.decoded, -tokens_to_remove)
+            self.decoded -= taken
+            tokens_to_remove += taken
+        super().crop(tokens_to_remove)
+
+
+def advance_headless(cache, layer_idx: int) -> bool:
+    """Count one decode token for a no-kept-heads layer without a tensor call: True when the
+    cache layer is a :class:`_HeadlessDynamicLayer` already holding the prompt (the converted
+    layer's decode step), False when the caller must record the token through ``cache.update``."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return False
+    layer = layers[layer_idx]
+    if type(layer) is not _HeadlessDynamicLayer or not layer.is_initialized:
+        return False
+    layer.decoded += 1
+    return True
 
 
 def count_headless_tokens(cache, layer_idx: int) -> None:

@@ -337,23 +337,30 @@ class HybridWindowAttention(WindowAttention):
             "group_maps": both(self._group_maps()),  # (G, hd, 2, f/2)
             "log_g": self._log_weight(dtype).to(device),  # (G, rep, 1)
             "one": torch.ones((), dtype=dtype, device=device),
-            "gamma_S": None if gamma is None else gamma.view(1, -1, 1, 1),
-            "gamma_z": None if gamma is None else gamma.view(1, -1, 1),
+            "gamma_S": None if gamma is None else gamma.view(1, -1, 1, 1, 1),
+            "gamma_z": None if gamma is None else gamma.view(1, -1, 1, 1, 1),
         }
+
+    def step_views(self, state) -> dict:
+        """``S`` ``(B, Hkv, 2, f/2, hd)`` and ``z`` ``(B, Hkv, 2, f/2, 1)``: the sums by halves of
+        ``phi``, as the steady step's einsums read and write them (``z``'s last axis broadcasts
+        over ``hd`` in the read)."""
+        return {"S": state[3].unflatten(2, (2, -1)), "z": state[4].unflatten(2, (2, -1)).unsqueeze(-1)}
 
     def _fold_evicted(self, state, slot: int, constants: dict) -> None:
         """Fold the key and value in ``slot`` (rank ``seen - w``, real in the steady state) into
-        ``S`` and ``z``, after aging them by one token."""
-        keys, values, _, S, z = state
+        ``S`` and ``z`` (through their views in ``constants``), after aging them by one token."""
+        keys, values = state[0], state[1]
+        S, z = constants["S"], constants["z"]
         # (B, Hkv, 1, hd): a slice, not an index, so that a compiled step keeps the slot symbolic
         k_old, v_old = keys[:, :, slot : slot + 1], values[:, :, slot : slot + 1]
         if constants["cast"]:  # half-precision K/V beside float32 sums
             k_old, v_old = k_old.to(S.dtype), v_old.to(S.dtype)
-        phi = torch.einsum("bhqd,hdkf->bhkf", k_old, constants["maps"]).softmax(-1).flatten(-2)  # (B, Hkv, f)
+        phi = torch.einsum("bhqd,hdkf->bhkfq", k_old, constants["maps"]).softmax(-2)  # (B, Hkv, 2, f/2, 1)
         if constants["gamma_S"] is not None:
             S.mul_(constants["gamma_S"])
             z.mul_(constants["gamma_z"])
-        S.add_(torch.einsum("bhf,bhqd->bhfd", phi, v_old))
+        S.add_(torch.einsum("bhkfq,bhqd->bhkfd", phi, v_old))
         z.add_(phi)
 
     def _read_window(self, q, keys, values, state, constants: dict) -> torch.Tensor:
@@ -361,20 +368,20 @@ class HybridWindowAttention(WindowAttention):
         read-out under one normaliser. With ``lse`` the log-sum-exp of the window scores and
         ``o`` the window's softmax output, ``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` is
         ``(o + w a) / (1 + w zl)`` with ``w = g e^{-lse}`` (``lse`` clamped from below where the
-        other paths clamp ``m``; the two agree unless every window score is below -60). The query
-        axis (length 1) is summed away in the einsums, so ``lse`` and ``zl`` come out
-        ``(B, G, rep, 1)`` and broadcast over ``hd`` as they are."""
+        other paths clamp ``m``; the two agree unless every window score is below -60). A KV
+        head's query heads stand where SDPA expects query positions, ``(B, G, rep, hd)`` (as for
+        the kept heads), so ``o`` is one SDPA call and ``lse`` and ``zl`` come out ``(B, G, rep, 1)``."""
+        S, z = constants["S"], constants["z"]
         if constants["cast"]:
             dtype = q.dtype
-            q, keys, values = q.to(state[3].dtype), keys.to(state[3].dtype), values.to(state[3].dtype)
-        qg = q.unflatten(1, (-1, self.rep))  # (B, G, rep, 1, hd)
-        keys, values, S, z = (t if self.grouped else self._per_query(t) for t in (keys, values, state[3], state[4]))
-        scores = torch.einsum("bgrqd,bgsd->bgrqs", qg, keys).mul_(self.scaling)
-        lse = scores.logsumexp(-1)  # (B, G, rep, 1)
-        o = torch.einsum("bgrqs,bgsd->bgrd", scores.softmax(-1), values)
-        phi_q = torch.einsum("bgrqd,gdkf->bgrqkf", qg, constants["group_maps"]).softmax(-1).flatten(-2)  # (B, G, rep, 1, f)
-        a = torch.einsum("bgrqf,bgfd->bgrd", phi_q, S)
-        zl = torch.einsum("bgrqf,bgf->bgrq", phi_q, z)
+            q, keys, values = q.to(S.dtype), keys.to(S.dtype), values.to(S.dtype)
+        qg = q.view(-1, self.num_heads // self.rep, self.rep, self.head_dim)  # (B, G, rep, hd)
+        keys, values, S, z = (t if self.grouped else self._per_query(t) for t in (keys, values, S, z))
+        lse = torch.einsum("bgrd,bgsd->bgrs", qg, keys).mul_(self.scaling).logsumexp(-1, keepdim=True)
+        o = F.scaled_dot_product_attention(qg, keys, values, scale=self.scaling)
+        phi_q = torch.einsum("bgrd,gdkf->bgrkf", qg, constants["group_maps"]).softmax(-1)  # (B, G, rep, 2, f/2)
+        a = torch.einsum("bgrkf,bgkfd->bgrd", phi_q, S)
+        zl = torch.einsum("bgrkf,bgkfe->bgre", phi_q, z)
         w = (constants["log_g"] - lse.clamp_min(_MIN_MAX_SCORE)).exp_()
         y = torch.addcmul(o, w, a).div_(torch.addcmul(constants["one"], w, zl)).reshape(-1, 1, self.d_out)
         return y.to(dtype) if constants["cast"] else y

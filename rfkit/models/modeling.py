@@ -50,7 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM, Q
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, eager_attention_forward
 
-from rfkit.models.cache import CACHE_ARG, count_headless_tokens, mixer_counts, mixer_state_store
+from rfkit.models.cache import CACHE_ARG, advance_headless, count_headless_tokens, mixer_counts, mixer_state_store
 from rfkit.models.configuration import RecurFormerLlamaConfig, RecurFormerMistralConfig, RecurFormerQwen2Config
 from rfkit.models.layout import AttentionLayout, GroupView, group_runs, projection_biases, sliding_window
 from rfkit.models.operators import ReplacementOperator
@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 # precedence over ``attention_mask`` (generate does so itself for compileable caches, whose
 # ``attention_mask`` arrives already converted to 4-D).
 TOKEN_MASK_KWARG = "rf_token_mask"
+#: Keyword under which the converted CausalLM passes the current chunk's length (a host int) to
+#: every RecurFormerAttention, so that a layer tells a decode step from a prefill without reading
+#: the hidden states' shape once per layer.
+CHUNK_TOKENS_KWARG = "rf_chunk_tokens"
 #: ``config.rf_format_version`` of models whose converted layers hold one packed ``qkv_proj``;
 #: configs without the field are of the earlier layout (module docstring)
 PACKED_FORMAT = 2
@@ -84,21 +88,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 #: the last :func:`rotation_matrix`: weak references to the ``cos`` / ``sin`` it was built from, and it
 _LAST_ROTATION: list = [None, None, None]
+#: ``rotate_half`` as a signed permutation matrix, per (head_dim, dtype, device)
+_SIGNED_PERMUTATIONS: dict = {}
 
 
 def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`rotate` as a matrix ``R`` ``(B, L, hd, hd)``: ``x @ R`` for ``x`` ``(B, H, L, hd)``
     rotates every head in one call. ``R = diag(cos) + P diag(sin)`` with ``P`` the signed
-    permutation of ``rotate_half`` (``P = rotate_half(I)``). A decode step's layers share one
-    ``cos`` / ``sin`` pair (the model computes them once per forward), so the matrix is built
-    once per token, by the first converted layer, and found again by the others."""
+    permutation of ``rotate_half`` (``P = rotate_half(I)``, made once). A decode step's layers
+    share one ``cos`` / ``sin`` pair (the model computes them once per forward), so the matrix
+    is built once per token, by the first converted layer, and found again by the others."""
     last = _LAST_ROTATION
     if last[0] is not None and last[0]() is cos and last[1]() is sin:
         return last[2]
     hd = cos.shape[-1]
-    eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
-    signed = torch.cat((-eye[:, hd // 2 :], eye[:, : hd // 2]), dim=-1)  # rotate_half of I's rows
-    matrix = torch.diag_embed(cos) + signed * sin.unsqueeze(-2)
+    key = (hd, cos.dtype, cos.device)
+    signed = _SIGNED_PERMUTATIONS.get(key)
+    if signed is None:
+        eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
+        signed = _SIGNED_PERMUTATIONS[key] = torch.cat((-eye[:, hd // 2 :], eye[:, : hd // 2]), dim=-1)
+    matrix = torch.diag_embed(cos).addcmul_(signed, sin.unsqueeze(-2))
     last[:] = [weakref.ref(cos), weakref.ref(sin), matrix]
     return matrix
 
@@ -269,7 +278,8 @@ class RecurFormerAttention(nn.Module):
         # (B, L) token mask of this chunk, set by the converted CausalLM only when it holds padding;
         # popped so that the attention interface never sees it.
         token_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
-        if self._decode_ready(hidden_states, past_key_values, token_mask):
+        tokens = kwargs.pop(CHUNK_TOKENS_KWARG, None)
+        if self._decode_ready(hidden_states, past_key_values, token_mask, tokens):
             return self._decode(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs), None
         B, L, _ = hidden_states.shape
         query, key, value, mixer_qkv = self._project(hidden_states, position_embeddings)
@@ -371,33 +381,40 @@ class RecurFormerAttention(nn.Module):
             return self.mixer(x, **extra)
         store, counts = mixer_state_store(cache), mixer_counts(cache)
         state = store.get(self.layer_idx)
-        length = x[0].shape[-2] if split else x.shape[1]
+        if state is not None and (x[0].shape[-2] if split else x.shape[1]) == 1:
+            # A decode step: one real token (padding only ever precedes a prompt).
+            return self._mixer_step(x, split, cache)
         seen = counts.get(self.layer_idx) if state is not None else 0
         if state is None:
             out, state = self.mixer(x, return_states=True, **extra)
-        elif length == 1:
-            # A decode step: one real token (padding only ever precedes a prompt).
-            out, *state = self._mixer_step(x, split, state, seen)
         else:
             out, state = self.mixer(x, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
-        counts[self.layer_idx] = None if seen is None or extra else seen + length
+        counts[self.layer_idx] = None if seen is None or extra else seen + (x[0].shape[-2] if split else x.shape[1])
         return out
 
-    def _mixer_step(self, x, split: bool, state, seen: int | None):
-        """The mixer's one-token step, told the host count when it takes one (``takes_seen``)."""
+    def _mixer_step(self, x, split: bool, cache) -> torch.Tensor:
+        """The mixer's one-token step on the state ``cache`` holds for this layer, told the host
+        count when it takes one (``takes_seen``); stores the new state and count."""
+        store, counts = mixer_state_store(cache), mixer_counts(cache)
+        state, seen = store[self.layer_idx], counts.get(self.layer_idx)
         step = self.mixer.step_qkv if split else self.mixer.step
         if getattr(self.mixer, "takes_seen", False):
-            return step(*x, *state, seen=seen) if split else step(x, *state, seen=seen)
-        return step(*x, *state) if split else step(x, *state)
+            out, *state = step(*x, *state, seen=seen) if split else step(x, *state, seen=seen)
+        else:
+            out, *state = step(*x, *state) if split else step(x, *state)
+        store[self.layer_idx] = tuple(state)
+        counts[self.layer_idx] = None if seen is None else seen + 1
+        return out
 
     # -- one decode token ---------------------------------------------------------------------
-    def _decode_ready(self, hidden_states: torch.Tensor, cache, token_mask) -> bool:
+    def _decode_ready(self, hidden_states: torch.Tensor, cache, token_mask, tokens: int | None = None) -> bool:
         """Whether :meth:`_decode` serves this call: one token in inference with a cache that holds
-        this layer's mixer state already (a step, not a prefill)."""
+        this layer's mixer state already (a step, not a prefill). ``tokens``: the chunk's length
+        when the converted CausalLM passed it (:data:`CHUNK_TOKENS_KWARG`), else read here."""
         if cache is None or token_mask is not None or self.training or self.qkv_proj is None:
             return False
-        if hidden_states.shape[1] != 1 or torch.is_grad_enabled():
+        if (hidden_states.shape[1] if tokens is None else tokens) != 1 or torch.is_grad_enabled():
             return False
         return self.layer_idx in mixer_state_store(cache)
 
@@ -414,13 +431,16 @@ class RecurFormerAttention(nn.Module):
         if self.has_kept:
             key, value = cache.update(key, value, self.layer_idx)
             outputs.append(self._attend_one(query, key, value, attention_mask, kwargs))
-        else:
+        elif not advance_headless(cache, self.layer_idx):  # counted on the host when it can be
             self._record_headless(cache, hidden_states)
         if self.mixer_reads_qk:
             x = (mixer_q, mixer_k, mixer_v)
         else:
             x = mixer_v.reshape(-1, 1, len(self.mixer_kv_heads) * self.head_dim)
-        outputs.append(self._mix(x, cache))  # (B, 1, Hq_m * hd)
+        if getattr(self.mixer, "handles_dtype", False):  # no cast to decide: straight to the step
+            outputs.append(self._mixer_step(x, self.mixer_reads_qk, cache))  # (B, 1, Hq_m * hd)
+        else:
+            outputs.append(self._mix(x, cache))
         return self.o_proj(torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0])
 
     def _attend_one(self, query, key, value, attention_mask, kwargs) -> torch.Tensor:
@@ -530,7 +550,8 @@ class _RecurFormerCausalLM:
         **kwargs,
     ):
         """The base model's forward, plus: the current chunk's 2-D token mask reaches the mixers
-        (as ``TOKEN_MASK_KWARG``) when the chunk contains padding."""
+        (as ``TOKEN_MASK_KWARG``) when the chunk contains padding, and its length reaches every
+        converted layer (as ``CHUNK_TOKENS_KWARG``)."""
         full_mask = kwargs.pop(TOKEN_MASK_KWARG, None)
         if full_mask is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             full_mask = attention_mask
@@ -538,6 +559,8 @@ class _RecurFormerCausalLM:
         chunk_mask = _chunk_token_mask(full_mask, tokens.shape[1]) if tokens is not None else None
         if chunk_mask is not None:
             kwargs[TOKEN_MASK_KWARG] = chunk_mask
+        if tokens is not None:
+            kwargs[CHUNK_TOKENS_KWARG] = tokens.shape[1]
         _pass_cache(kwargs, cache, past_key_values)
         return super().forward(
             input_ids=input_ids,

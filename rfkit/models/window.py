@@ -439,19 +439,28 @@ class WindowAttention(ReplacementMixer):
     def _step_plan(self, q: torch.Tensor, state) -> dict:
         """What the decode steps of one state share, worked out on its first step and kept while the
         state's tensors are the same objects (a new prefill or a beam reorder makes new ones):
-        whether the compiled C step applies, its pointers, and :meth:`step_constants`."""
+        whether the compiled C step applies, its pointers, :meth:`step_constants` and
+        :meth:`step_views`."""
         plan = self.__dict__.get("_plan")
-        if plan is not None and plan["state"]() is state[0]:
+        if plan is not None and len(plan["state"]) == len(state) and all(ref() is t for ref, t in zip(plan["state"], state)):
             return plan
         kernel = self._kernel_ready(q, state)
         work = compute_dtype(q.dtype)
         with torch.no_grad():
             constants = dict(self.step_constants(work, q.device), cast=q.dtype != work or state[0].dtype != work)
-        plan = {"state": weakref.ref(state[0]), "kernel": kernel, "constants": constants}
+            constants.update(self.step_views(state))
+        plan = {"state": [weakref.ref(t) for t in state], "kernel": kernel, "constants": constants}
         if kernel:
             plan.update(cpu_kernels.window_step_plan(self, state))
         self.__dict__["_plan"] = plan
         return plan
+
+    def step_views(self, state) -> dict:
+        """Views of the state's tensors in the shapes the steady step reads them in (none for plain
+        window attention), made once per state by :meth:`_step_plan` (a view is a tensor call): the
+        plan is remade whenever any of the state's tensors is replaced, so its views always alias
+        the current state (splitting or adding an axis is a view for any strides)."""
+        return {}
 
     def step_constants(self, dtype, device) -> dict:
         """Tensors derived from the weights that every decode step reads (none for plain window

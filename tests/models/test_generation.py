@@ -237,7 +237,11 @@ def test_user_dynamic_cache_gives_the_default_tokens_and_holds_the_right_state(s
         keys = cache.layers[i].keys
         attn = layer.self_attn
         kv_heads = len(attn.kept_kv_heads) if i in converted else 2
-        assert tuple(keys.shape) == (2, kv_heads, tokens, 16), i
+        assert cache.layers[i].get_seq_length() == tokens, i
+        if kv_heads:
+            assert tuple(keys.shape) == (2, kv_heads, tokens, 16), i
+        else:  # no kept heads: zero-head K/V for the prompt, the decode tokens counted on the host
+            assert tuple(keys.shape) == (2, 0, ids.shape[1], 16), i
         if i in converted:
             conv, ssm = store[i]
             assert conv.shape == (2, attn.mixer.d_inner, attn.mixer.d_conv)
