@@ -75,3 +75,16 @@ def data_cache(tmp_path_factory):
     mp.setattr(data, "data_cache_dir", lambda: root)
     yield root
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def modules_after_import_rfkit() -> set[str]:
+    """The top-level modules a fresh interpreter holds after importing rfkit, its CLI and its
+    lm-eval adapter (without running a command): one subprocess for every test that asks what
+    ``import rfkit`` pulls in."""
+    import subprocess
+    import sys
+
+    probe = "import sys, rfkit, rfkit.cli, rfkit.evals.tasks, rfkit.evals.lm_eval; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    return set(out.stdout.split())

@@ -40,7 +40,6 @@ def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
 
 
 @pytest.mark.slow
-def test_import_rfkit_does_not_import_cuda_only_packages():
-    probe = "import sys, rfkit; print(sorted(m for m in ('mamba_ssm', 'causal_conv1d', 'triton') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
-    assert out.stdout.strip() == "[]"
+def test_import_rfkit_does_not_import_cuda_only_packages(modules_after_import_rfkit):
+    assert "rfkit" in modules_after_import_rfkit and "torch" in modules_after_import_rfkit  # the probe did import
+    assert not modules_after_import_rfkit & {"mamba_ssm", "causal_conv1d", "triton"}
