@@ -86,8 +86,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
 
 
-#: the last :func:`rotation_matrix`: weak references to the ``cos`` / ``sin`` it was built from, and it
-_LAST_ROTATION: list = [None, None, None]
+#: the last :func:`rotation_matrix` as one tuple (weak references to the ``cos`` / ``sin`` it was built
+#: from, the matrix), replaced whole so that a reader never pairs one call's keys with another's matrix
+_LAST_ROTATION: list = [None]
 #: ``rotate_half`` as a signed permutation matrix, per (head_dim, dtype, device)
 _SIGNED_PERMUTATIONS: dict = {}
 
@@ -98,8 +99,8 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     permutation of ``rotate_half`` (``P = rotate_half(I)``, made once). A decode step's layers
     share one ``cos`` / ``sin`` pair (the model computes them once per forward), so the matrix
     is built once per token, by the first converted layer, and found again by the others."""
-    last = _LAST_ROTATION
-    if last[0] is not None and last[0]() is cos and last[1]() is sin:
+    last = _LAST_ROTATION[0]
+    if last is not None and last[0]() is cos and last[1]() is sin:
         return last[2]
     hd = cos.shape[-1]
     key = (hd, cos.dtype, cos.device)
@@ -108,7 +109,7 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
         signed = _SIGNED_PERMUTATIONS[key] = torch.cat((-eye[:, hd // 2 :], eye[:, : hd // 2]), dim=-1)
     matrix = torch.diag_embed(cos).addcmul_(signed, sin.unsqueeze(-2))
-    last[:] = [weakref.ref(cos), weakref.ref(sin), matrix]
+    _LAST_ROTATION[0] = (weakref.ref(cos), weakref.ref(sin), matrix)
     return matrix
 
 
@@ -381,7 +382,8 @@ class RecurFormerAttention(nn.Module):
             return self.mixer(x, **extra)
         store, counts = mixer_state_store(cache), mixer_counts(cache)
         state = store.get(self.layer_idx)
-        if state is not None and (x[0].shape[-2] if split else x.shape[1]) == 1:
+        length = x[0].shape[-2] if split else x.shape[1]
+        if state is not None and length == 1:
             # A decode step: one real token (padding only ever precedes a prompt).
             return self._mixer_step(x, split, cache)
         seen = counts.get(self.layer_idx) if state is not None else 0
@@ -390,7 +392,7 @@ class RecurFormerAttention(nn.Module):
         else:
             out, state = self.mixer(x, *state, return_states=True, **extra)
         store[self.layer_idx] = tuple(state)
-        counts[self.layer_idx] = None if seen is None or extra else seen + (x[0].shape[-2] if split else x.shape[1])
+        counts[self.layer_idx] = None if seen is None or extra else seen + length
         return out
 
     def _mixer_step(self, x, split: bool, cache) -> torch.Tensor:
