@@ -303,9 +303,10 @@ def test_the_disk_full_error_is_still_an_oserror(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
-    """The installed ``rfkit`` script, two processes side by side: an interrupted hub download
-    (offline, its cache given by HF_HOME) and a wrong type. Each prints exactly one line and
-    exits 2; nothing is written."""
+    """The installed ``rfkit`` script, four processes side by side: an interrupted hub download
+    (offline, its cache given by HF_HOME), a wrong type, a value out of range in a shipped recipe
+    and a missing model behind `rfkit bench`. Each prints exactly one line and exits 2; nothing
+    is written."""
     exe = Path(sys.executable).with_name("rfkit")
     fake_hub_cache(tmp_path / "hf" / "hub", tiny_model_dir, "someorg/tiny-llama", weights="incomplete")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
@@ -317,6 +318,7 @@ def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
     calls = {
         "download": ["fit", *base, "--model.base_model", "someorg/tiny-llama"],
         "type": ["fit", *base, "--data.batch_size", "[2]"],
+        "range": ["fit", "--config", SMOLLM, "--model.policy.init_args.beta", "2"],
         "bench": ["bench", "cache", "--model", str(recipe), "--json", str(tmp_path / "bench.json")],
     }
     before = listing(tmp_path)
@@ -331,6 +333,7 @@ def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
         words = {
             "download": ["model.base_model: the download of 'someorg/tiny-llama' is incomplete", "rerun online"],
             "type": ["data.batch_size: expected an integer, got [2]"],
+            "range": ["model.policy.beta"],
             "bench": ["model.base_model: path", "does not exist"],
         }[name]
         assert_one_line(proc.returncode, out, err, *words, prefix="rfkit bench: error: " if name == "bench" else "rfkit: error: ")

@@ -1,9 +1,6 @@
 """The rfkit command line: subcommands, recipes, plugins and bad input."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -142,18 +139,6 @@ def test_other_model_families_are_refused_before_loading_with_one_line(command, 
     assert code == 2 and err.count("\n") == 1, err
     assert "model.base_model" in err and "'gpt2'" in err and "allowed: llama, mistral, qwen2" in err, err
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-def test_console_script_exit_code_and_single_line(tmp_path):
-    exe = Path(sys.executable).with_name("rfkit")
-    proc = subprocess.run(
-        [str(exe), "fit", "--config", SMOLLM, "--model.policy.init_args.beta", "2"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("rfkit: error: model.policy.beta")
-    assert "Traceback" not in proc.stderr
 
 
 def test_tidy_parse_error_keeps_the_field():
