@@ -38,20 +38,25 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
+# Tried in this order: with OpenMP (the window prefill's jobs then run in the process's OpenMP
+# pool, which is PyTorch's own where PyTorch uses GNU OpenMP, as its Linux wheels do), then
+# without (a compiler without OpenMP, or a library that does not load: the jobs then run on a
+# Python thread pool, racing the spin-wait of PyTorch's idle OpenMP threads).
+_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
 
 _lock = threading.Lock()
-_state: dict = {"lib": None, "tried": False, "error": None}
+_state: dict = {"lib": None, "tried": False, "error": None, "openmp": False}
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def _library_path() -> Path:
+def _library_path(variant: list[str]) -> Path:
     from rfkit.hub import cache_dir
 
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha1(
-        "\0".join([*(src.read_text() for src in _SOURCES), cc, *_FLAGS, platform.machine(), platform.node(), _cpu_flags()]).encode()
+        "\0".join([*(src.read_text() for src in _SOURCES), cc, *_FLAGS, *variant, platform.machine(), platform.node(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"mamba_cpu-{key}.so"
 
@@ -66,7 +71,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(path: Path) -> None:
+class CompileError(RuntimeError):
+    """The compiler ran and rejected the sources or the flags (not retried for the same ones)."""
+
+
+def _build(path: Path, variant: list[str]) -> None:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler '{cc}' on PATH")
@@ -74,10 +83,10 @@ def _build(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, "-o", str(tmp), *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *_FLAGS, *variant, "-o", str(tmp), *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=120
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {' '.join(proc.stderr.split())[:300]}")
+            raise CompileError(f"{cc} failed: {' '.join(proc.stderr.split())[:300]}")
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -91,27 +100,54 @@ def _load():
         if _state["tried"]:
             return _state["lib"]
         _state["tried"] = True
-        try:
-            path = _library_path()
-            if not path.exists():
-                log.info("building the CPU selective-scan kernel -> %s", path)
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-            lib.rf_selective_scan_f32.restype = None
-            lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
-            lib.rf_mamba_step_f32.restype = ctypes.c_int
-            lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
-            lib.rf_window_step_f32.restype = ctypes.c_int
-            lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-            lib.rf_window_prefill_f32.restype = ctypes.c_int
-            lib.rf_window_prefill_f32.argtypes = (
-                [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int64] * 2
-            )
-            _state["lib"] = lib
-        except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
-            _state["error"] = f"{type(exc).__name__}: {exc}"
+        errors = []
+        for variant in _VARIANTS:
+            try:
+                lib = _open(variant)
+            except Exception as exc:  # noqa: BLE001 - an optional accelerator must never break a run
+                errors.append(f"{' '.join(variant)}: {type(exc).__name__}: {exc}")
+                continue
+            _state["lib"], _state["openmp"] = lib, bool(lib.rf_openmp())
+            break
+        else:
+            _state["error"] = "; ".join(errors)
             log.warning("CPU selective-scan kernel unavailable (%s); using the PyTorch scan", _state["error"])
         return _state["lib"]
+
+
+def _open(variant: list[str]):
+    """Build (once per source, flags and machine) and load the library with these flags."""
+    path = _library_path(variant)
+    failed = path.with_name(path.name + ".failed")  # flags this compiler rejected once (no OpenMP)
+    if failed.exists():
+        raise CompileError(failed.read_text().strip())
+    if not path.exists():
+        log.info("building the CPU kernels (%s) -> %s", " ".join(variant), path)
+        try:
+            _build(path, variant)
+        except CompileError as exc:
+            failed.write_text(f"{exc}\n")
+            raise
+    lib = ctypes.CDLL(str(path))
+    lib.rf_selective_scan_f32.restype = None
+    lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
+    lib.rf_mamba_step_f32.restype = ctypes.c_int
+    lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
+    lib.rf_window_step_f32.restype = ctypes.c_int
+    lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    prefill = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float]
+    lib.rf_window_prefill_f32.restype = ctypes.c_int
+    lib.rf_window_prefill_f32.argtypes = prefill + [ctypes.c_int64] * 4
+    lib.rf_window_prefill_jobs_f32.restype = ctypes.c_int
+    lib.rf_window_prefill_jobs_f32.argtypes = prefill + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.rf_openmp.restype = ctypes.c_int
+    lib.rf_openmp.argtypes = []
+    return lib
+
+
+def openmp() -> bool:
+    """Whether the loaded library runs the window prefill's jobs on OpenMP threads."""
+    return _load() is not None and _state["openmp"]
 
 
 def available() -> bool:
@@ -125,8 +161,9 @@ def unavailable_reason() -> str | None:
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
+    """A pool of at least ``threads`` workers (grown when asked for more, never shrunk)."""
     global _pool, _pool_size
-    if _pool is None or _pool_size != threads:
+    if _pool is None or _pool_size < threads:
         if _pool is not None:
             _pool.shutdown(wait=False)
         _pool, _pool_size = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rfkit-scan"), threads
@@ -241,14 +278,54 @@ def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return out
 
 
+# A piece of a chunk shorter than this is not worth a thread of its own.
+MIN_PIECE_TOKENS = 128
+
+
+def prefill_jobs(rows: int, length: int, threads: int, query_cost: float, fold_cost: float) -> list[tuple[int, int, int, int]]:
+    """How the window prefill splits over ``threads``: ``(row_begin, row_end, i_begin, i_end)``
+    per job. Either the rows (batch x KV heads) are split and each job takes the whole chunk, or
+    the chunk is cut into pieces over all rows: a piece first folds the tokens before it into its
+    own copy of the state, so its boundaries make the pieces cost the same (piece p costs
+    ``b_p * fold_cost + (b_{p+1} - b_p) * query_cost``, costs per token and row). The split whose
+    longest job costs less is taken: pieces when there are fewer rows than threads (batch 1 and
+    one replaced KV head per layer, as in the default model) or when the rows do not divide
+    evenly (3 rows on 2 threads)."""
+    row_step = -(-rows // max(1, min(threads, rows)))
+    by_rows = [(r0, min(r0 + row_step, rows), 0, length) for r0 in range(0, rows, row_step)]
+    pieces = min(threads, length // MIN_PIECE_TOKENS)
+    if pieces < 2:
+        return by_rows
+    a = 1.0 - min(fold_cost / query_cost, 0.9)  # each piece's fold shortens the next one by this factor
+    first = length * (1.0 - a) / (1.0 - a**pieces) if a < 1.0 else length / pieces
+    if rows * first >= row_step * length:  # the longest piece costs no less than the largest share of rows
+        return by_rows
+    bounds, width = [0], first
+    for _ in range(pieces - 1):
+        bounds.append(min(length, max(bounds[-1] + 1, round(bounds[-1] + width))))
+        width *= a
+    bounds.append(length)
+    return [(0, rows, i0, i1) for i0, i1 in zip(bounds, bounds[1:]) if i1 > i0]
+
+
+def _prefill_costs(block, hybrid: bool) -> tuple[float, float]:
+    """Rough work per token and row of the prefill (multiply-adds; an exp counted as 8): the
+    queries of one KV head's query heads, and folding one token into the state."""
+    hd, f = block.head_dim, block.feature_dim if hybrid else 0
+    feature = hd * f / 2 + 8 * f
+    fold = (feature + f * hd * (2 if block.kernel_decay() is not None else 1)) if hybrid else 0.0
+    per_query = 2 * (block.sink + block.window) * hd + 8 * (block.sink + block.window) + (feature + f * hd if hybrid else 0)
+    return fold + block.num_heads / block.num_kv_heads * per_query, fold
+
+
 @torch.no_grad()
 def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
     """Prefill of one chunk through a window mixer: ``q`` (B, Hq, L, hd) float32 (any strides
     with contiguous channels), ``ctx`` the block's context of the chunk (sink keys, recent keys
     in rank order), ``state`` the state before it, every row at ``seen`` tokens. Returns
     ``(y (B, L, Hq * hd), (S, z))`` for the hybrid (the linear-attention state after the
-    chunk), ``(y, ())`` for plain window attention. The KV heads are split over
-    ``torch.get_num_threads()`` threads."""
+    chunk), ``(y, ())`` for plain window attention. The work is split over
+    ``torch.get_num_threads()`` threads by :func:`prefill_jobs`."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
@@ -259,23 +336,38 @@ def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
     if q.stride(-1) != 1:
         q = q.contiguous()
     parts = [ctx[name].to(f32).contiguous() for name in ("rec_k", "rec_v", "sink_k", "sink_v")]
-    S = state[3].to(f32).clone().contiguous() if hybrid else None
-    z = state[4].to(f32).clone().contiguous() if hybrid else None
     out = torch.empty(B, L, block.num_heads * block.head_dim, dtype=f32)
+    rows = B * block.num_kv_heads
+    jobs = prefill_jobs(rows, L, torch.get_num_threads(), *_prefill_costs(block, hybrid))
+    pieces = jobs[0][3] < L  # the chunk cut into pieces: a copy of the state per piece
+    if hybrid:
+        copies = len(jobs) if pieces else 1
+        S = state[3].to(f32).unsqueeze(0).repeat(copies, *[1] * state[3].dim())
+        z = state[4].to(f32).unsqueeze(0).repeat(copies, *[1] * state[4].dim())
+        strides = (S[0].numel(), z[0].numel()) if pieces else (0, 0)
+    else:
+        S = z = None
+        strides = (0, 0)
     args = [q.data_ptr(), *(t.data_ptr() for t in parts), _ptr(S), _ptr(z),
             _ptr(block.feature_map.detach().to(f32).contiguous()) if hybrid else None,
             block.kernel_weights().data_ptr() if hybrid else None, _ptr(block.kernel_decay()) if hybrid else None,
             block.kernel_index().data_ptr(), out.data_ptr(),
             block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window,
             block.feature_dim if hybrid else 0, L, seen, q.stride(0), q.stride(1), q.stride(2), block.scaling]  # fmt: skip
-    rows = B * block.num_kv_heads
-    threads = max(1, min(torch.get_num_threads(), rows))
-    step = -(-rows // threads)
-    jobs = [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
-    if len(jobs) == 1:
-        codes = [lib.rf_window_prefill_f32(*args, *jobs[0])]
-    else:
-        codes = [f.result() for f in [_executor(threads).submit(lib.rf_window_prefill_f32, *args, *job) for job in jobs]]
+    if len(jobs) == 1 or _state["openmp"]:
+        table = torch.tensor(jobs, dtype=torch.int64)
+        codes = [lib.rf_window_prefill_jobs_f32(*args, table.data_ptr(), len(jobs), *strides)]
+    else:  # a library without OpenMP: one Python thread per job (ctypes releases the GIL)
+        def job(n: int, rows_and_tokens) -> int:
+            own = pieces and hybrid  # a piece of the hybrid's chunk has its own copy of the state
+            at = args[:5] + [_ptr(S[n]) if own else args[5], _ptr(z[n]) if own else args[6]] + args[7:]
+            return lib.rf_window_prefill_f32(*at, *rows_and_tokens)
+
+        pool = _executor(len(jobs))
+        codes = [f.result() for f in [pool.submit(job, n, rows_and_tokens) for n, rows_and_tokens in enumerate(jobs)]]
     if any(codes):
         raise MemoryError("rf_window_prefill_f32 could not allocate its work buffer")
-    return out, ((S, z) if hybrid else ())
+    if not hybrid:
+        return out, ()
+    # the last piece's state is the chunk's (a copy of its own, so no other piece's stays alive)
+    return out, ((S[-1].clone(), z[-1].clone()) if pieces else (S[0], z[0]))

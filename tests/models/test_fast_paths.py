@@ -278,6 +278,73 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, sink, length, head_d
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_jobs_split_rows_or_cut_the_chunk_into_pieces_of_equal_cost():
+    from rfkit.ops.cpu_kernels import MIN_PIECE_TOKENS, prefill_jobs
+
+    assert prefill_jobs(4, 2048, 2, 10.0, 1.0) == [(0, 2, 0, 2048), (2, 4, 0, 2048)]  # rows split evenly
+    three = prefill_jobs(3, 2048, 2, 10.0, 1.0)  # rows 2 + 1 would leave a thread idle a third of the time
+    assert [j[:2] for j in three] == [(0, 3), (0, 3)] and three[0][3] > 1024
+    assert prefill_jobs(1, 2 * MIN_PIECE_TOKENS - 1, 2, 10.0, 1.0) == [(0, 1, 0, 2 * MIN_PIECE_TOKENS - 1)]  # too short
+    assert prefill_jobs(1, 2048, 2, 10.0, 0.0) == [(0, 1, 0, 1024), (0, 1, 1024, 2048)]  # nothing to fold: halves
+    for rows, threads, fold in [(1, 2, 1.0), (1, 4, 2.5), (2, 3, 1.0), (1, 16, 1.0)]:
+        jobs = prefill_jobs(rows, 4096, threads, 10.0, fold)
+        assert [j[:2] for j in jobs] == [(0, rows)] * len(jobs) and len(jobs) == min(threads, 4096 // MIN_PIECE_TOKENS)
+        assert jobs[0][2] == 0 and jobs[-1][3] == 4096 and all(a[3] == b[2] for a, b in zip(jobs, jobs[1:]))
+        cost = [i0 * fold + (i1 - i0) * 10.0 for _, _, i0, i1 in jobs]  # a piece folds what comes before it
+        assert max(cost) - min(cost) <= 2 * 10.0 + fold, cost  # equal up to rounding a boundary
+
+
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "python-threads"])
+@pytest.mark.parametrize("threads", [3, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_prefill_cut_into_pieces_matches_the_pytorch_prefill(kind, threads, openmp, monkeypatch):
+    """With fewer rows (batch x KV heads) than threads, the compiled prefill cuts the chunk into
+    pieces, each folding the tokens before it into a copy of the state: the same outputs and
+    state as the PyTorch prefill, from an empty state and continued from one; with the jobs on
+    OpenMP threads (this machine's build) and on Python threads (a build without OpenMP)."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    if openmp and not cpu_kernels.openmp():
+        pytest.fail("the CPU kernels were built without OpenMP on a machine whose compiler has it")
+    monkeypatch.setitem(cpu_kernels._state, "openmp", openmp)
+    if kind == "window":
+        b = WindowAttention(KVQ, HD, window=W, sink=3).eval()
+    else:
+        b = HybridWindowAttention(KVQ, HD, window=W, sink=3, feature_dim=4, decay_horizon=5.0 if kind == "hybrid_decay" else None).eval()
+        if kind != "hybrid_closed":
+            with torch.no_grad():
+                b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
+    g = torch.Generator().manual_seed(threads)
+    length, cut = 700, 300
+    q = torch.randn(1, len(KVQ), length, HD, generator=g)
+    k, v = (torch.randn(1, 2, length, HD, generator=g) for _ in range(2))
+    jobs = []
+    real_jobs = cpu_kernels.prefill_jobs
+    monkeypatch.setattr(cpu_kernels, "prefill_jobs", lambda *a: jobs.append(real_jobs(*a)) or jobs[-1])
+
+    def run():
+        whole = b.attend(q, k, v, return_states=True)
+        first = b.attend(*(t[:, :, :cut] for t in (q, k, v)), return_states=True)
+        rest = b.attend(*(t[:, :, cut:] for t in (q, k, v)), *first[1], return_states=True)
+        return [whole[0], rest[0], *whole[1], *rest[1]]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            monkeypatch.setattr(WindowAttention, "use_kernel", False)
+            want = run()
+            monkeypatch.setattr(WindowAttention, "use_kernel", True)
+            got = run()
+    finally:
+        torch.set_num_threads(before)
+    assert [len(j) for j in jobs] == [min(threads, n // cpu_kernels.MIN_PIECE_TOKENS) for n in (length, cut, length - cut)]
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
 def test_uneven_kept_groups_attend_per_run_of_equal_groups_without_copying_the_cache(monkeypatch):
     """Head-level selection leaves KV heads with different numbers of kept query heads: attention
     runs once per run of equal group sizes on slices of the cache (no index_select per query

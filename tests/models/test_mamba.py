@@ -651,6 +651,32 @@ def test_cpu_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
+def test_a_compiler_without_openmp_gets_the_kernels_without_it_and_is_not_asked_twice(monkeypatch, tmp_path):
+    """A compiler that rejects -fopenmp (Apple's clang, for one) still builds the kernels, without
+    OpenMP (the window prefill's jobs then run on Python threads); the rejected flags are
+    remembered, so the next process does not run the failing build again."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler on this machine: the CPU kernels cannot be tested")
+    calls = tmp_path / "calls.txt"
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        'case " $* " in *" -fopenmp "*) echo "unsupported option -fopenmp" >&2; exit 1;; esac\n'
+        f'exec {cc} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    for attempt in (1, 2):
+        monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "tried": False, "error": None, "openmp": False})
+        assert cpu_kernels.available() and not cpu_kernels.openmp()
+        builds = calls.read_text().splitlines()
+        assert [" -fopenmp " in f" {line} " for line in builds] == [True, False]  # each tried once, ever
+    y, state = cpu_kernels.selective_scan_cpu(*_scan_inputs(1, 2, 4, 3, torch.float32)[:5])
+    assert torch.isfinite(y).all()
+
+
 def test_cpu_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("RFKIT_CPU_KERNEL", "0")
     assert not cpu_kernels.available()

@@ -158,6 +158,11 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
  * i+1 .. i+window of rank >= sink; before it, the token of rank r - window (index i) is folded
  * into the state when its rank is >= sink (after the state has aged by one token, with a
  * decay). Same formula as rf_window_step_f32.
+ *
+ * Only the queries i_begin .. i_end - 1 are answered (callers may also split the chunk over
+ * threads). The state must be the one before the chunk: indices 0 .. i_begin - 1 are folded
+ * into it first (no query), so a piece of a chunk starts from the state its first query needs;
+ * on return it is the state after index i_end - 1.
  */
 /* One query head's output: softmax over the sink slots (sk, sv, nsink) and the recent keys (rk,
  * rv, nw), plus, when S is given (hybrid, open gate), the state's share c phi(q) S with
@@ -209,7 +214,7 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                           const float *g, const float *decay, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
                           int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L, int64_t seen,
                           int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling, int64_t row_begin,
-                          int64_t row_end) {
+                          int64_t row_end, int64_t i_begin, int64_t i_end) {
     const int64_t half = f / 2, nr = window + L;
     float *p = (float *)malloc(sizeof(float) * (size_t)(sink + window + 2 * f + 2));
     if (!p) return -1;
@@ -220,7 +225,7 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
         const float *sk = sink_k + row * sink * hd, *sv = sink_v + row * sink * hd;
         const float *fm = fmap ? fmap + kv * hd * half : NULL;
         float *S = S_state ? S_state + row * f * hd : NULL, *z = z_state ? z_state + row * f : NULL;
-        for (int64_t i = 0; i < L; ++i) {
+        for (int64_t i = S ? 0 : i_begin; i < i_end; ++i) {
             const int64_t r = seen + i;
             if (S && decay) { /* the state ages by one token */
                 const float gm = decay[kv];
@@ -237,6 +242,7 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                     for (int64_t d = 0; d < hd; ++d) Sj[d] += pj * vo[d];
                 }
             }
+            if (i < i_begin) continue; /* another piece answers this query */
             /* recent indices first .. i + window (rank >= sink), sink slots 0 .. nsink - 1 */
             const int64_t first = (sink - (seen - window) > i + 1) ? sink - (seen - window) : i + 1;
             const int64_t nw = i + window >= first ? i + window - first + 1 : 0; /* none: rank < sink */
@@ -258,4 +264,40 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
     }
     free(p);
     return 0;
+}
+
+/* rf_window_prefill_f32 over the jobs (row_begin, row_end, i_begin, i_end) of `jobs` (4 x njobs),
+ * one OpenMP thread each when the library is built with OpenMP (in the process's OpenMP runtime:
+ * PyTorch's own pool where PyTorch uses GNU OpenMP, so the work goes to its warm threads instead of
+ * racing their spin-wait), one after another otherwise. Job j reads and writes the state at
+ * S_state + j * s_stride, z_state + j * z_stride: 0 when the jobs split the rows, the size of one
+ * state when they are pieces of the chunk (each with its own copy). Returns 0, or -1 when a work
+ * buffer cannot be allocated. */
+int rf_window_prefill_jobs_f32(const float *q, const float *rec_k, const float *rec_v, const float *sink_k,
+                               const float *sink_v, float *S_state, float *z_state, const float *fmap,
+                               const float *g, const float *decay, const int64_t *kvq, float *out, int64_t hq,
+                               int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L,
+                               int64_t seen, int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling,
+                               const int64_t *jobs, int64_t njobs, int64_t s_stride, int64_t z_stride) {
+    int rc = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static, 1) num_threads(njobs) reduction(| : rc)
+#endif
+    for (int64_t j = 0; j < njobs; ++j) {
+        const int64_t *job = jobs + 4 * j;
+        rc |= rf_window_prefill_f32(q, rec_k, rec_v, sink_k, sink_v, S_state ? S_state + j * s_stride : NULL,
+                                    z_state ? z_state + j * z_stride : NULL, fmap, g, decay, kvq, out, hq, hkv, hd,
+                                    sink, window, f, L, seen, q_sb, q_sh, q_sl, scaling, job[0], job[1], job[2],
+                                    job[3]);
+    }
+    return rc;
+}
+
+/* 1 when this library was built with OpenMP (its jobs run in parallel), else 0. */
+int rf_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
