@@ -17,7 +17,12 @@ evicted key, attend, add the state), about 35 PyTorch ops per layer and token in
 * No compiler, a failed build or ``RFKIT_CPU_KERNEL=0`` only switches it off: the block then
   uses the pure-PyTorch scan (:func:`rfkit.ops.scan.selective_scan_prefix`), and says so once.
 * Inference only (float32, no autograd); the block uses it when no gradient is needed.
-* ctypes releases the GIL, so channels are split over ``torch.get_num_threads()`` threads.
+* Prefill work (the scan's channels, the window prefill's rows or pieces of its chunk) is split
+  over ``torch.get_num_threads()`` threads. Built with ``-fopenmp``, the library shares
+  ``libgomp.so.1`` with PyTorch, so the threads are PyTorch's own warm OpenMP pool; a Python
+  thread pool (ctypes releases the GIL) raced the spin-wait of those idle threads and was no
+  faster than one thread on 2 cores. A compiler without OpenMP gets a build without it (the
+  Python pool then), and is not asked again.
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ def _open(variant: list[str]):
     lib = ctypes.CDLL(str(path))
     lib.rf_selective_scan_f32.restype = None
     lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
+    lib.rf_selective_scan_rows_f32.restype = None
+    lib.rf_selective_scan_rows_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
     lib.rf_mamba_step_f32.restype = ctypes.c_int
     lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
     lib.rf_window_step_f32.restype = ctypes.c_int
@@ -203,9 +210,9 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     rows = bsz * dim
     args = [_ptr(t) for t in (u, delta, A, Bt, Ct, D, z, h, y)]
     threads = max(1, min(torch.get_num_threads(), rows, (rows * length) // 4096 or 1))
-    if threads == 1:
-        fn(*args, dim, length, n, 0, rows)
-    else:
+    if threads == 1 or _state["openmp"]:
+        lib.rf_selective_scan_rows_f32(*args, dim, length, n, rows, threads)
+    else:  # a library without OpenMP: one Python thread per run of rows (ctypes releases the GIL)
         step = -(-rows // threads)
         futures = [
             _executor(threads).submit(fn, *args, dim, length, n, r0, min(r0 + step, rows))

@@ -598,7 +598,13 @@ def test_cpu_kernel_matches_reference(with_init, optional):
 
 
 @needs_kernel
-def test_cpu_kernel_thread_split_equals_one_thread():
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "python-threads"])
+def test_cpu_kernel_thread_split_equals_one_thread(openmp, monkeypatch):
+    """The channels split over 3 threads: OpenMP's (this machine's build) or Python's (a build
+    without OpenMP) give one thread's result, bit for bit."""
+    if openmp and not cpu_kernels.openmp():
+        pytest.fail("the CPU kernels were built without OpenMP on a machine whose compiler has it")
+    monkeypatch.setitem(cpu_kernels._state, "openmp", openmp)
     u, delta, A, B, C, D, z, _, h0 = _scan_inputs(3, 7, 16, 600, torch.float32, delta_max=0.3, seed=3)
     torch.set_num_threads(1)
     y1, h1 = cpu_kernels.selective_scan_cpu(u, delta, A, B, C, D, z, h0)

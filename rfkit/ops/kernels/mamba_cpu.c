@@ -55,6 +55,22 @@ void rf_selective_scan_f32(const float *u, const float *delta, const float *A, c
     }
 }
 
+/* rf_selective_scan_f32 over all `rows`, split into `threads` equal runs of rows on OpenMP threads
+ * when the library is built with OpenMP (the process's runtime: PyTorch's own pool where PyTorch
+ * uses GNU OpenMP), in one run otherwise. */
+void rf_selective_scan_rows_f32(const float *u, const float *delta, const float *A, const float *Bt,
+                                const float *Ct, const float *Dskip, const float *z, float *h, float *y,
+                                int64_t dim, int64_t length, int64_t n, int64_t rows, int64_t threads) {
+    const int64_t step = (rows + threads - 1) / threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+#endif
+    for (int64_t t = 0; t < threads; ++t) {
+        const int64_t begin = t * step, end = begin + step < rows ? begin + step : rows;
+        if (begin < end) rf_selective_scan_f32(u, delta, A, Bt, Ct, Dskip, z, h, y, dim, length, n, begin, end);
+    }
+}
+
 static inline float silu_f(float v) { return v / (1.0f + expf(-v)); }
 
 /* torch.nn.functional.softplus with its default threshold 20 */
