@@ -241,12 +241,15 @@ def rebuild(module, head_map: HeadMap, where: str, datamodule=None) -> None:
 
 
 def run_profile(module, datamodule=None, output="head_map.json", report: bool = True, device=None, config_text=None) -> HeadMap:
-    """``rfkit profile``: load on ``device``, profile, select with ``module.policy``, and
+    """``rfkit profile``: load on ``device``, profile, select with the module's selection policy
+    (``model.policy``, or the map of ``model.head_map``, as ``rfkit fit`` and ``convert`` do), and
     :func:`save_head_map`. Returns the head map."""
     base = load_for(module, datamodule, device)
-    print(f"profiling on {device}")
-    profiled = profile(base, module.base_model, module.policy, datamodule, module.reuse_profile)
-    head_map = select(base, module.base_model, module.policy, profiled)
+    policy = module.selection_policy()
+    if not isinstance(policy, FromHeadMap):
+        print(f"profiling on {device}")
+    profiled = profile(base, module.base_model, policy, datamodule, module.reuse_profile)
+    head_map = select(base, module.base_model, policy, profiled)
     save_head_map(base, head_map, output, datamodule, config_text, report)
     return head_map
 

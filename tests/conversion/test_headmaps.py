@@ -302,6 +302,14 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
         assert config in card  # the recipe section
         assert ("FromHeadMap" in config) == (name == "policy")
     assert converted(torch.randint(0, 100, (1, 8))).logits.shape[:2] == (1, 8)
+    # rfkit profile takes the map the same two ways as rfkit convert: no profile, the same heads
+    for name, extra in ways.items():
+        again = tmp_path / f"profile_{name}" / "head_map.json"
+        code, out, err = run_cli(["profile", *args, *extra, "--output", str(again), "--report", "false"], capsys)
+        assert code == 0, err
+        kept = HeadMap.load(again)
+        assert kept.selected == source.selected and kept.rr_mean == source.rr_mean
+        assert kept.source == {"path": str((made / "head_map.json").resolve()), "sha256": sha, "model": str(tiny_model_dir)}
 
 
 @pytest.mark.slow
