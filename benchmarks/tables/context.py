@@ -8,8 +8,9 @@ from __future__ import annotations
 from tables import load, table
 from tables.trained import LEVEL, SINK_RECENT, best, bold, short
 
-# the default recipe's fit: state decay, long blocks in transfer and in end-to-end training
-DEFAULT = "context_smollm2_b05_longmix/context.json"
+# the default recipe's fit (the current `make demo` model, 48 steps): state decay, long blocks in
+# transfer and in end-to-end training
+DEFAULT = "context_smollm2_b05_current/context.json"
 DECAY = "context_smollm2_b05_decay/context.json"  # the same before long blocks in end-to-end training
 BETA_075 = "context_smollm2_b075_decay/context.json"
 HYBRID = "context_smollm2_b05/context.json"  # before the decay: the state summed every old token

@@ -7,8 +7,8 @@ from __future__ import annotations
 from . import load, table
 
 DEMO = "demo_smollm2_b05_screen/summary.json"
-CONTEXT = "context_smollm2_b05_demo/context.json"  # the make demo fit (the same model as DEMO)
-BASELINE = "context_smollm2_b05_longmix/context.json"  # same blocks; holds the training-free rows
+# the make demo fit (the same model as DEMO) and, on the same blocks and head map, the training-free rows
+CONTEXT = BASELINE = "context_smollm2_b05_current/context.json"
 SPEED = "speed_current/converted.json"
 SPEED_BASELINE = "speed_current/sink_recent.json"
 LENGTHS = ("2048", "8192")
