@@ -19,11 +19,11 @@ KVQ = [0, 0, 1, 1]  # grouped GQA: two query heads per KV head
 HD, W = 8, 7
 
 
-def block(kind: str, sink: int, kvq=KVQ) -> WindowAttention:
+def block(kind: str, sink: int, kvq=KVQ, features: int = 4) -> WindowAttention:
     if kind == "window":
         return WindowAttention(kvq, HD, window=W, sink=sink).double().eval()
     decay = 3.0 if kind == "hybrid_decay" else None
-    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=4, decay_horizon=decay).double().eval()
+    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=features, decay_horizon=decay).double().eval()
     if kind in ("hybrid_open", "hybrid_decay"):
         with torch.no_grad():
             b.gate.copy_(torch.linspace(0.3, 1.2, len(kvq), dtype=torch.float64))
@@ -73,6 +73,9 @@ def masked_reference(b: WindowAttention, q, k, v) -> torch.Tensor:
 
 
 KINDS = ["window", "hybrid_open", "hybrid_closed", "hybrid_decay"]
+# the kernel has its own code for 16 features (the default) and general code (4 here); plain
+# window attention has no feature map
+KIND_FEATURES = [("window", 0)] + [(kind, f) for kind in KINDS[1:] for f in (4, 16)]
 LENGTHS = [W - 1, W, W + 1, 2 * W + 3, 1025]
 
 
@@ -194,8 +197,8 @@ def test_generate_is_identical_through_the_general_path(operator, monkeypatch):
 
 
 @pytest.mark.parametrize("sink", [0, 3])
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_step_matches_the_pytorch_step(kind, sink, monkeypatch):
+@pytest.mark.parametrize("kind, features", KIND_FEATURES)
+def test_compiled_step_matches_the_pytorch_step(kind, features, sink, monkeypatch):
     """float32 on CPU decodes through rfkit/ops/kernels/window_cpu.c: the same outputs and state
     as the PyTorch step, from an empty state (sink and ring filling up) and from a left-padded
     prefill (rows at different counts), for 3 W tokens."""
@@ -203,7 +206,7 @@ def test_compiled_step_matches_the_pytorch_step(kind, sink, monkeypatch):
 
     if not cpu_kernels.available():
         pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
-    b = block(kind, sink).float()
+    b = block(kind, sink, features=features).float()
     q, k, v = (t.float() for t in qkv(2, 2 * W + 3, seed=11))
     mask = torch.ones(2, q.shape[2], dtype=torch.long)
     mask[1, :4] = 0
@@ -229,14 +232,15 @@ def test_compiled_step_matches_the_pytorch_step(kind, sink, monkeypatch):
     assert len(calls) == 2 * len(steps)  # every kernel-side step ran the compiled code
 
 
-@pytest.mark.parametrize("head_dim", [HD, 64, 128])
+@pytest.mark.parametrize("head_dim", [HD, 10, 64, 128])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("sink", [0, 3])
-@pytest.mark.parametrize("kind", KINDS)
-def test_compiled_prefill_matches_the_pytorch_prefill(kind, sink, length, head_dim, monkeypatch):
+@pytest.mark.parametrize("kind, features", KIND_FEATURES)
+def test_compiled_prefill_matches_the_pytorch_prefill(kind, features, sink, length, head_dim, monkeypatch):
     """float32 prefill on CPU runs through the compiled kernel (head widths 64 and 128 have their
-    own code): the same outputs and state as the PyTorch tiled prefill, in one piece, continued
-    from a state, and left padded."""
+    own code, and so does the feature map of 16 features; width 10 is not a multiple of its 4
+    accumulators): the same outputs and state as the PyTorch tiled prefill, in one piece,
+    continued from a state, and left padded."""
     from rfkit.ops import cpu_kernels
 
     if not cpu_kernels.available():
@@ -245,7 +249,7 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, sink, length, head_d
         b = WindowAttention(KVQ, head_dim, window=W, sink=sink).eval()
     else:
         decay = 5.0 if kind == "hybrid_decay" else None
-        b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=4, decay_horizon=decay).eval()
+        b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
         if kind in ("hybrid_open", "hybrid_decay"):
             with torch.no_grad():
                 b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
@@ -298,6 +302,7 @@ def test_prefill_jobs_split_rows_or_cut_the_chunk_into_pieces_of_equal_cost():
 @pytest.mark.parametrize("threads", [3, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_prefill_cut_into_pieces_matches_the_pytorch_prefill(kind, threads, openmp, monkeypatch):
+    features = 16 if threads == 4 else 4  # the default's feature map and the general one
     """With fewer rows (batch x KV heads) than threads, the compiled prefill cuts the chunk into
     pieces, each folding the tokens before it into a copy of the state: the same outputs and
     state as the PyTorch prefill, from an empty state and continued from one; with the jobs on
@@ -312,7 +317,7 @@ def test_compiled_prefill_cut_into_pieces_matches_the_pytorch_prefill(kind, thre
     if kind == "window":
         b = WindowAttention(KVQ, HD, window=W, sink=3).eval()
     else:
-        b = HybridWindowAttention(KVQ, HD, window=W, sink=3, feature_dim=4, decay_horizon=5.0 if kind == "hybrid_decay" else None).eval()
+        b = HybridWindowAttention(KVQ, HD, window=W, sink=3, feature_dim=features, decay_horizon=5.0 if kind == "hybrid_decay" else None).eval()
         if kind != "hybrid_closed":
             with torch.no_grad():
                 b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
