@@ -385,7 +385,10 @@ class RecurFormerAttention(nn.Module):
         length = x[0].shape[-2] if split else x.shape[1]
         if state is not None and length == 1:
             # A decode step: one real token (padding only ever precedes a prompt).
-            return self._mixer_step(x, split, cache)
+            out = self._mixer_step(x, split, cache)
+            if extra:  # a token mask came with the step: the rows' counts may no longer agree
+                counts[self.layer_idx] = None
+            return out
         seen = counts.get(self.layer_idx) if state is not None else 0
         if state is None:
             out, state = self.mixer(x, return_states=True, **extra)

@@ -131,7 +131,9 @@ def _open(variant: list[str]):
         try:
             _build(path, variant)
         except CompileError as exc:
-            failed.write_text(f"{exc}\n")
+            tmp = failed.with_name(f".{failed.name}.{os.getpid()}.tmp")
+            tmp.write_text(f"{exc}\n")
+            os.replace(tmp, failed)  # whole or absent, as the library itself
             raise
     lib = ctypes.CDLL(str(path))
     lib.rf_selective_scan_f32.restype = None
