@@ -28,13 +28,6 @@ import time
 from pathlib import Path
 
 
-def cpu_pressure() -> str | None:
-    try:
-        return Path("/proc/pressure/cpu").read_text().strip()
-    except OSError:
-        return None
-
-
 def _status_kib(field: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -83,7 +76,7 @@ def main(argv=None) -> int:
     from rfkit.atomic import atomic_write_json
     from rfkit.models.mixer import draw_for_batch
     from rfkit.models.window import WindowAttention
-    from rfkit.provenance import stamp
+    from rfkit.provenance import cpu_pressure, stamp
     from rfkit.training.freeze import apply_freeze
 
     pressure_before = cpu_pressure()

@@ -40,6 +40,15 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(["python", str(script), *argv[1:]])
 
 
+def cpu_pressure() -> str | None:
+    """The kernel's CPU pressure line (``/proc/pressure/cpu``; None where it does not exist): how
+    busy a shared machine was when a timing was taken."""
+    try:
+        return Path("/proc/pressure/cpu").read_text().strip()
+    except OSError:
+        return None
+
+
 def git_state(repo: Path = _REPO) -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the checkout rfkit runs from, ``(None, None)`` outside a git tree."""
 
