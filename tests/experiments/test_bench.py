@@ -175,6 +175,43 @@ def test_speed_bench_batches_budget_and_layer_step(converted_dir, tmp_path, caps
     assert "One attention layer's decode step" in stdout and "within a cache budget of 0.39 MiB" in stdout
 
 
+@pytest.mark.slow
+def test_decode_layers_benchmark_times_every_layer_and_bounds_the_step(converted_dir, tmp_path, monkeypatch):
+    """benchmarks/decode_layers.py on the tiny converted model: one row per context, every layer
+    timed in both models and classed by what the head map did to it, and a head-map bound that
+    only removes time (at most the original's step, at least the original's projections)."""
+    import importlib.util
+    import sys
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("decode_layers", ROOT / "benchmarks" / "decode_layers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "layers.json"
+    argv = ["decode_layers.py", "--model", str(converted_dir), "--contexts", "40,80", "--runs", "2", "--tokens", "3", "--output", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main()
+    result = json.loads(out.read_text())
+    assert result["provenance"]["command"].startswith("python benchmarks/decode_layers.py --model ")
+    selected = HeadMap.load(converted_dir / "head_map.json").selected
+    model = AutoModelForCausalLM.from_pretrained(str(converted_dir))
+    kv = model.config.num_key_value_heads
+    assert [r["context"] for r in result["rows"]] == [40, 80]
+    for row in result["rows"]:
+        layers = row["layers"]
+        assert len(layers) == len(selected)
+        for layer, heads in zip(layers, selected):
+            assert layer["replaced_kv_heads"] == len(heads) * kv // model.config.num_attention_heads  # whole KV groups
+            assert layer["kind"] == ("unconverted" if not heads else "converted, no kept heads" if layer["replaced_kv_heads"] == kv else "converted, kept heads")
+            assert 0 < layer["original_projections_us"] < layer["original_us"] and layer["converted_us"] > 0
+        assert sum(g["layers"] for g in row["by_kind"].values()) == len(selected)
+        projections = sum(layer["original_projections_us"] for layer in layers) / 1000
+        assert row["step_ms_original"] - row["attention_ms_original"] + projections <= row["head_map_bound_step_ms"] <= row["step_ms_original"]
+        assert row["head_map_bound_ratio"] == pytest.approx(row["step_ms_original"] / row["head_map_bound_step_ms"])
+        assert len(row["step_ms_runs"]["original"]) == len(row["step_ms_runs"]["converted"]) == 2
+
+
 def _original(converted_dir):
     from rfkit.conversion.convert import load_base_model
 
