@@ -79,10 +79,46 @@ def decode_ops() -> str:
     return "\n".join(lines)
 
 
+@table("decode_layers")
+def decode_layers() -> str:
+    """docs/hybrid.md: one decode token's time inside the running model, against the bound the
+    head map allows (every replaced head free beyond its projections)."""
+    data = load("decode_layers/decode_layers.json")
+    lines = [
+        "| context | original step | converted step | ratio | head-map bound | bound ratio | attention layers, original -> converted | the rest |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['context']:,} | {r['step_ms_original']:.1f} ms | {r['step_ms_converted']:.1f} ms | {r['decode_ratio']:.2f}x | "
+            f"{r['head_map_bound_step_ms']:.1f} ms | {r['head_map_bound_ratio']:.2f}x | "
+            f"{r['attention_ms_original']:.1f} -> {r['attention_ms_converted']:.1f} ms | {r['rest_ms_original']:.1f} -> {r['rest_ms_converted']:.1f} ms |"
+        )
+    return "\n".join(lines)
+
+
+@table("fit_paths")
+def fit_paths() -> str:
+    """docs/hybrid.md: the default recipe's phases with the training forwards on the rank-masked
+    path and on the tiled path, same code otherwise."""
+    old, new = load("fit_paths/rank_masked_summary.json"), load("fit_paths/tiled_summary.json")
+    command = new["provenance"]["command"].split()
+    train_steps = command[command.index("--trainer.max_steps") + 1]
+    steps = f"{new['transfer']['steps_run']} transfer + {train_steps} training steps, {new['train_tokens']:,} training tokens"
+    lines = ["| phase (" + steps + ") | rank-masked (before) | tiled (now) | speedup |", "|---|---:|---:|---:|"]
+    for phase, label in (("transfer", "attention transfer"), ("train", "end-to-end training"), ("measure", "perplexity, original and converted")):
+        a, b = old["phases"][phase], new["phases"][phase]
+        lines.append(f"| {label} | {a:.1f} s | {b:.1f} s | {a / b:.2f}x |")
+    a, b = old["wall_seconds"], new["wall_seconds"]
+    lines.append(f"| whole fit | {a:.1f} s | {b:.1f} s | {a / b:.2f}x |")
+    lines.append(f"| perplexity ratio | {old['ppl_ratio']:.6f} | {new['ppl_ratio']:.6f} | |")
+    return "\n".join(lines)
+
+
 @table("train_block")
 def train_block() -> str:
     """docs/hybrid.md: one training step of the default fit's model, tiled vs rank-masked."""
-    data = load("train_block/train_block.json")
+    data = load("train_block/train_block_quiet.json")
     lines = ["| block | tiled (now), median s | rank-masked (before), median s | ratio | peak RSS growth, tiled / rank-masked |", "|---|---:|---:|---:|---:|"]
     for r in data["shapes"]:
         old = r.get("old", {})
