@@ -97,6 +97,17 @@ def decode_layers() -> str:
     return "\n".join(lines)
 
 
+@table("speed_2k_quiet")
+def speed_2k_quiet() -> str:
+    """docs/hybrid.md: 2,048 tokens through generate(), 15 interleaved runs on a quiet machine,
+    the trained hybrid and the training-free baseline at the same bytes."""
+    lines = ["| model (against the original in its own process) | prefill, original -> converted | decode, original -> converted |", "|---|---:|---:|"]
+    for name, label in (("converted", "trained hybrid"), ("sink_recent", "sink_recent(4, 64), training-free, same bytes")):
+        (r,) = load(f"speed_2k_quiet/{name}.json")["rows"]
+        lines.append(f"| {label} | {_pair(r['prefill_tps_original'], r['prefill_tps_converted'], '.1f')} | {_pair(r['decode_tps_original'], r['decode_tps_converted'], '.2f')} |")
+    return "\n".join(lines)
+
+
 @table("fit_paths")
 def fit_paths() -> str:
     """docs/hybrid.md: the default recipe's phases with the training forwards on the rank-masked
