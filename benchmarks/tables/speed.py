@@ -17,7 +17,7 @@ def _pair(a: float, b: float, fmt: str) -> str:
 @table("speed_b05")
 def speed_table() -> str:
     speed = load(f"{CURRENT}/converted.json")
-    batch4 = load(f"{FOLDER}/speed_batch4.json")
+    batch4 = load(f"{CURRENT}/batch4.json")
     contexts = [r["context"] for r in speed["rows"]]
     head = "| tokens/s, original -> converted (ratio) | " + " | ".join(f"{c:,} tokens" for c in contexts) + " |"
     lines = [head, "|---|" + "---:|" * len(contexts)]
@@ -29,7 +29,7 @@ def speed_table() -> str:
         _pair(by_context[c]["decode_tps_original"], by_context[c]["decode_tps_converted"], ".2f") if c in by_context else "-"
         for c in contexts
     ]
-    lines.append("| trained hybrid, decode, batch 4 (before the packed projection and the new step) | " + " | ".join(cells) + " |")
+    lines.append("| trained hybrid, decode, batch 4 | " + " | ".join(cells) + " |")
     baseline = {r["context"]: r for r in load(f"{CURRENT}/sink_recent.json")["rows"]}
     for phase in ("prefill", "decode"):
         fmt = ".1f" if phase == "prefill" else ".2f"
