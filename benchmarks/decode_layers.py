@@ -77,13 +77,15 @@ def layer_kinds(model) -> list[dict]:
 def decode_run(model, ids: torch.Tensor, tokens: int, watch: Stopwatch) -> float:
     """Prefill ``ids`` (1, L) and decode ``tokens`` greedy tokens; the median step in seconds.
     The watch keeps only the decode steps' times."""
+    from rfkit.models.cache import cache_kwargs, output_cache
+
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
     watch.clear()
     steps = []
     for _ in range(tokens):
         started = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=token, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - started)
     return statistics.median(steps)
