@@ -9,7 +9,12 @@ TORCH  ?= torch==2.13.0
 EXTRAS ?= test
 STAMP  := $(VENV)/.rfkit-installed
 
-.PHONY: setup demo test clean
+# The GPU check (benchmarks/gpu/check.py): the carry it sends to a lent GPU machine, and its
+# rehearsal on this CPU in a fresh environment shaped like that machine's (CI runs it).
+GPU_ENV ?= /tmp/rfkit-gpu-env
+GPU_REHEARSAL_OUT ?= /tmp/rfkit-gpu-rehearsal
+
+.PHONY: setup demo test clean gpu-carry gpu-rehearsal
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,5 +35,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+gpu-carry: setup
+	$(BIN)/python benchmarks/gpu/carry.py --output .gpu-carry
+
+gpu-rehearsal: gpu-carry
+	$(BIN)/python benchmarks/gpu/fresh_env.py --source $(VENV) --target $(GPU_ENV)
+	$(GPU_ENV)/bin/python benchmarks/gpu/check.py --cpu --carry .gpu-carry --out $(GPU_REHEARSAL_OUT)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info .gpu-carry

@@ -224,3 +224,16 @@ def small_tokenizer(corpus: Path):
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=300, special_tokens=[special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=special, bos_token=special, pad_token=special)
+
+
+def load_script(relative: str, name: str | None = None):
+    """A script of the repository (``benchmarks/gpu/check.py``) imported as a module by path."""
+    import importlib.util
+    import sys
+
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(name or f"rf_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module

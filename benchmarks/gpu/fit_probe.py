@@ -1,0 +1,128 @@
+"""A short fit of the default recipe on one device: seconds per step by phase and the peak memory.
+
+    python benchmarks/gpu/fit_probe.py --device cuda --output fit.json [--steps 8] [--tiny]
+
+Runs ``rfkit fit --config recipes/smollm2_b05.yaml`` in this process with the GPU recipes'
+precision (``trainer.precision: bf16-true`` over a ``model.dtype: bfloat16`` base: the new weights
+and recurrent sums stay float32) and only the length shortened: ``--steps`` training steps and as
+many attention-transfer steps, one quick validation, nothing saved. On CUDA the peak is
+``torch.cuda.max_memory_allocated`` over the whole fit; on the CPU the process's RSS high-water
+mark. ``--tiny`` also shrinks the blocks and sample counts (the CPU rehearsal of the GPU check);
+the command line is otherwise the one the GPU runs.
+
+The result is added to ``--output`` under the device's name (read, updated, written then renamed),
+so the GPU check's CUDA run and its CPU run of the same fit end up side by side in one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "smollm2_b05.yaml"
+
+
+def fit_args(device: str, steps: int, root: Path, tiny: bool) -> list[str]:
+    args = [
+        "fit", "--config", str(RECIPE),
+        "--trainer.accelerator", "gpu" if device == "cuda" else "cpu",
+        "--trainer.precision", "bf16-true", "--model.dtype", "bfloat16",
+        "--trainer.max_steps", str(steps), "--model.lr_scheduler.init_args.T_max", str(steps),
+        "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1",
+        "--model.transfer.steps", str(steps),
+        "--data.val_blocks", "8",
+        "--summary.save_model", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(root),
+    ]  # fmt: skip
+    if tiny:  # the rehearsal: the same command at a scale two CPU cores run in seconds
+        args += [
+            "--data.seq_len", "128", "--data.calibration_samples", "4", "--data.val_blocks", "2",
+            "--data.long_seq_len", "256",
+            "--model.transfer.samples", "4", "--model.transfer.long_samples", "1", "--model.transfer.long_seq_len", "256",
+        ]  # fmt: skip
+    return args
+
+
+def run_fit(device: str, steps: int, tiny: bool) -> dict:
+    import torch
+
+    from rfkit.cli import main
+
+    with tempfile.TemporaryDirectory(prefix="rfkit-fit-probe-") as root:
+        args = fit_args(device, steps, Path(root), tiny)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        wall = time.perf_counter() - started
+        if code:
+            raise SystemExit(f"fit_probe: rfkit fit exited with {code}")
+        summary = json.loads(next(Path(root).rglob("summary.json")).read_text())
+    phases = summary.get("phases", {})
+    transfer_steps = (summary.get("transfer") or {}).get("steps_run") or steps
+    row = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "steps": steps,
+        "tiny": tiny,
+        "wall_seconds": round(wall, 2),
+        "phases": phases,
+        "seconds_per_train_step": round(phases.get("train", 0.0) / steps, 3),
+        "seconds_per_transfer_step": round(phases.get("transfer", 0.0) / transfer_steps, 3),
+        "ppl_ratio": summary.get("ppl_ratio"),
+        "precision": "bf16-true, model.dtype bfloat16",
+        "command": "rfkit " + " ".join(fit_args(device, steps, Path("ROOT"), tiny)).replace(str(REPO) + "/", ""),
+    }
+    if device == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["peak_method"] = "torch.cuda.max_memory_allocated over the whole fit"
+    else:
+        row["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        row["peak_method"] = "process RSS high-water mark (ru_maxrss)"
+    return row
+
+
+def update(path: Path, key: str, row: dict) -> dict:
+    """Add ``row`` under ``key`` to the JSON at ``path`` (written then renamed)."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = row
+    if {"cuda", "cpu"} <= data.keys() and data["cpu"].get("seconds_per_train_step"):
+        cuda, cpu = data["cuda"], data["cpu"]
+        data["cuda_speedup_train_step"] = round(cpu["seconds_per_train_step"] / max(cuda["seconds_per_train_step"], 1e-9), 2)
+        data["cuda_speedup_transfer_step"] = round(cpu["seconds_per_transfer_step"] / max(cuda["seconds_per_transfer_step"], 1e-9), 2)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fit_probe.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    parser.add_argument("--output", required=True, help="JSON file; this device's row is added to it")
+    parser.add_argument("--steps", type=int, default=8, help="training steps, and as many transfer steps")
+    parser.add_argument("--tiny", action="store_true", help="short blocks and few samples (the CPU rehearsal)")
+    args = parser.parse_args(argv)
+    row = run_fit(args.device, args.steps, args.tiny)
+    update(Path(args.output), args.device, row)
+    print(
+        f"fit_probe: {row['device']}: {row['seconds_per_train_step']} s per training step, "
+        f"{row['seconds_per_transfer_step']} s per transfer step, peak {row['peak_bytes'] / 2**30:.2f} GiB, "
+        f"whole fit {row['wall_seconds']} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
