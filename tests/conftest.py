@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models saved as HF directories, a tiny corpus, a converted model
-and the data cache; the plain helpers they use are in helpers.py."""
+and the data cache; the plain helpers they use are in helpers.py. Also the hook that deselects the
+tests marked ``cuda`` where no GPU is (tests/cuda)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import rfkit  # noqa: F401  (registers the converted model types)
 from rfkit.cli import main
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect (not skip) every test marked ``cuda`` where no GPU is, unless ``RFKIT_CUDA_TWIN=1``
+    asks for them: they then run on the CPU as twins of the GPU check (tests/cuda/conftest.py)."""
+    import os
+
+    if os.environ.get("RFKIT_CUDA_TWIN") == "1" or torch.cuda.is_available():
+        return
+    deselected = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
 
 
 @pytest.fixture
