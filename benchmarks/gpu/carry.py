@@ -50,6 +50,7 @@ MISSING = (
     ("gguf", "reads the embedded GGUF (imported by transformers' GGUF loader)"),
     ("transformers", "the version CI tests against (the machine has an older one)"),
     ("tokenizers", "the range that transformers version requires"),
+    ("peft", "the version CI tests beside that transformers (peft reads transformers' internals)"),
 )
 EMBEDDED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")

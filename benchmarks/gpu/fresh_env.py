@@ -44,7 +44,7 @@ transformers treescope triton typer typing-extensions typing-inspect urllib3 uvl
 wrapt xarray xxhash yarl zipp
 """.split())
 #: the image has these, but at other versions than CI's: the carry brings CI's
-REPLACED_BY_CARRY = {"transformers", "tokenizers"}
+REPLACED_BY_CARRY = {"transformers", "tokenizers", "peft"}
 #: what the image lacks and the carry brings (benchmarks/gpu/carry.py), never linked
 CARRIED = {"rfkit", "jsonargparse", "docstring-parser", "typeshed-client", "gguf"}
 
