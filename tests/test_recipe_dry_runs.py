@@ -123,7 +123,12 @@ def check_saved_model(model_dir: Path, recipe: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    base = torch.bfloat16 if recipe["model"].get("dtype") == "bfloat16" else torch.float32
+    dtype = recipe["model"].get("dtype")
+    if dtype == "auto":  # the fit ran on this CPU: bf16 where it computes bf16 natively
+        from rfkit.devices import native_bf16
+
+        dtype = "bfloat16" if native_bf16("cpu")[0] else "float32"
+    base = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     for n, p in model.named_parameters():
         assert p.dtype == (torch.float32 if ".mixer." in n else base), n  # new weights float32 beside bf16
     ids = torch.randint(0, 300, (1, 80), generator=torch.Generator().manual_seed(0))  # past the 60-token windows

@@ -124,12 +124,16 @@ class RFKitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Check the parsed settings (:func:`rfkit.config.preflight.preflight`) before any class is
-        built, any model loads or anything is written."""
-        from rfkit.config.preflight import preflight
+        built, any model loads or anything is written; resolve ``model.dtype: auto``
+        (:func:`rfkit.config.preflight.choose_precision`) and say what it chose."""
+        from rfkit.config.preflight import choose_precision, preflight
 
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         preflight(self.subcommand, config)
         public_class_paths(config)
+        self.rf_precision = choose_precision(config)  # model.dtype: auto, resolved before anything is built
+        if self.rf_precision:
+            log.info(self.rf_precision)
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
@@ -180,6 +184,8 @@ class RFKitCLI(LightningCLI):
             log.warning("could not dump the resolved config: %s", one_line(err))
             text = None
         self.trainer.rf_config_text = text
+        if getattr(self, "rf_precision", None) and hasattr(self.model, "run_metrics"):
+            self.model.run_metrics["precision"] = self.rf_precision.split(None, 1)[1]  # summary.json says why
 
 
 def public_class_paths(config) -> None:

@@ -217,3 +217,39 @@ def preflight(subcommand: str | None, config) -> None:
         from rfkit.devices import torch_device
 
         torch_device(config.get("device"))  # cpu, cuda or cuda:N, and CUDA there when asked for
+
+
+#: the weight dtype each pinned ``trainer.precision`` implies for ``model.dtype: auto``
+_PRECISION_DTYPE = {"bf16-true": "bfloat16", "bf16": "bfloat16", "16-true": "float16", "half": "float16"}
+
+
+def choose_precision(config) -> str | None:
+    """Resolve ``model.dtype: auto`` in place, before anything is built, and say what was chosen.
+
+    * ``trainer.precision`` left unset: bf16 where the device the trainer runs on computes it
+      natively (:func:`rfkit.devices.native_bf16`: a CPU with AMX or AVX512-BF16, a GPU with bf16),
+      as the GPU recipes run (``model.dtype: bfloat16`` under ``trainer.precision: bf16-true``: the
+      frozen base in bf16, new weights and recurrent sums float32); float32 (``32-true``) elsewhere.
+    * ``trainer.precision`` pinned: ``model.dtype`` follows it (bf16-true: bfloat16; 16-true: float16;
+      anything else, mixed precision included, keeps float32 weights).
+
+    Returns the line the run prints (``None`` when ``model.dtype`` was not ``auto``); a user pins
+    either with ``--model.dtype float32`` or ``--trainer.precision 32-true``."""
+    from rfkit.devices import accelerator_device_type, native_bf16
+
+    model, trainer = config.get("model"), config.get("trainer")
+    if model is None or model.get("dtype") != "auto":
+        return None
+    pinned = trainer.get("precision") if trainer is not None else None
+    if pinned is not None:
+        dtype = _PRECISION_DTYPE.get(str(pinned), "float32")
+        model["dtype"] = dtype
+        return f"precision     {pinned}, base weights {dtype} (model.dtype auto follows the pinned trainer.precision)"
+    device = accelerator_device_type(trainer.get("accelerator") if trainer is not None else None)
+    native, why = native_bf16(device)
+    dtype, precision = ("bfloat16", "bf16-true") if native else ("float32", "32-true")
+    model["dtype"] = dtype
+    if trainer is not None:
+        trainer["precision"] = precision
+    pin = "float32" if native else "bfloat16"
+    return f"precision     {precision}, base weights {dtype}: {why} (model.dtype auto; pin with --model.dtype {pin})"

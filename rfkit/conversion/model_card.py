@@ -219,6 +219,11 @@ def _results(metrics: dict | None) -> list[str]:
         bullets.append(f"- Parameters added: {added}; removed: {removed}")
     if _present(metrics, "train_tokens"):
         bullets.append(f"- Training tokens: {_count(metrics['train_tokens'])}")
+    if metrics.get("precision"):  # model.dtype: auto, as the run chose it (rfkit.config.preflight.choose_precision)
+        bullets.append(
+            f"- Precision: {metrics['precision']}. The pretrained weights are saved in the dtype the run used "
+            "(the perplexities above were measured in it, the original's too); the new weights in float32"
+        )
     if _present(metrics, "cache_seq_len"):
         bullets.append(f"- Cache measured after a prefill of {_count(metrics['cache_seq_len'])} tokens")
     if not rows and not bullets:

@@ -77,7 +77,10 @@ class RecurFormerModule(L.LightningModule):
         head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
             (the same as ``policy: rfkit.conversion.policies.FromHeadMap``).
         reuse_profile: Reuse a cached profile for the same model, data and settings.
-        dtype: Weight dtype the base model loads in.
+        dtype: Weight dtype the base model loads in. ``auto``: bfloat16 where the device the trainer
+            runs on computes bf16 natively (a CPU with AMX or AVX512-BF16, a bf16 GPU), with
+            ``trainer.precision: bf16-true`` unless the recipe pins a precision; float32 elsewhere.
+            The new weights and recurrent sums stay float32 either way.
         trust_remote_code: Passed to transformers; off unless you trust the model's code.
         optimizer: Optimizer factory, called with the trainable parameters (default AdamW, lr 1e-3).
         lr_scheduler: Optional scheduler factory, called with the optimizer; stepped per step.
@@ -97,7 +100,7 @@ class RecurFormerModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         head_map: str | None = None,
         reuse_profile: bool = True,
-        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
         trust_remote_code: bool = False,
         optimizer: Callable[[Iterable], torch.optim.Optimizer] | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
@@ -136,6 +139,10 @@ class RecurFormerModule(L.LightningModule):
         if head_map is not None and not is_url(head_map) and not Path(head_map).exists():
             raise SourceError(f"model.head_map: path '{head_map}' does not exist")
         self.reuse_profile = reuse_profile
+        if dtype == "auto":  # built outside the CLI, which resolves it with the trainer (choose_precision)
+            from rfkit.devices import native_bf16
+
+            dtype = "bfloat16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu")[0] else "float32"
         self.dtype_name = dtype
         self.trust_remote_code = trust_remote_code
         self.optimizer_factory = optimizer
