@@ -131,7 +131,7 @@ CASES = [
     ("unknown-model-key", "fit", ["--model.nonsense", "1"], ["model.nonsense: unknown option", "base_model"]),
     ("unknown-data-key", "fit", ["--data.init_args.seq_lenn", "5"], ["data.seq_lenn: unknown option (nearest: seq_len)"]),
     # bad enum values
-    ("enum-dtype", "fit", ["--model.dtype", "float64"], ["model.dtype: 'float64' is not allowed; allowed: float32, bfloat16, float16"]),
+    ("enum-dtype", "fit", ["--model.dtype", "float64"], ["model.dtype: 'float64' is not allowed; allowed: auto, float32, bfloat16, float16"]),
     ("enum-granularity", "fit", ["--model.policy.init_args.granularity", "heads"], ["model.policy.granularity", "allowed: kv_group, query_head"]),
     ("enum-accelerator", "fit", ["--trainer.accelerator", "tpu9"], ["trainer.accelerator: 'tpu9' is not allowed; allowed:", "cpu"]),
     # negative steps
