@@ -61,12 +61,16 @@ TILE = 32
 # A long prefill runs in pieces of this many tokens that carry the state, so the transient
 # buffers stay bounded at any length.
 PREFILL_CHUNK = 1024
+# The dtypes of the activations and the window's K/V that the compiled step takes (its sums are
+# float32 with both: rfkit.ops.cpu_kernels.WINDOW_STEP_ENTRIES). Kept here, not read from
+# cpu_kernels, whose stand-in in an exported model has nothing but functions.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def compile_decode_steps(model: torch.nn.Module, **options) -> int:
     """Compile the steady decode step of every window mixer in ``model`` (``torch.compile(...,
     fullgraph=True, dynamic=True, **options)``, e.g. ``mode="reduce-overhead"`` for CUDA graphs);
-    returns how many. The CPU float32 path keeps its C step, which is faster there."""
+    returns how many. The CPU float32 and bf16 paths keep their C step, which is faster there."""
     mixers = [m for m in model.modules() if isinstance(m, WindowAttention)]
     for mixer in mixers:
         mixer.compile_step(**options)
@@ -109,8 +113,8 @@ class WindowAttention(ReplacementMixer):
     #: False sends every forward (training too) through the general rank-masked path (tests
     #: compare the two)
     fast: bool = True
-    #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 decoding on CPU; False
-    #: keeps the PyTorch step, its twin
+    #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 and bf16 decoding on CPU,
+    #: and the compiled prefill; False keeps the PyTorch paths, their twins
     use_kernel: bool = True
     #: takes activations in the model's dtype: computes in float32 for half precision, keeps the
     #: window's K/V in the activations' dtype (rfkit.models.precision)
@@ -418,7 +422,8 @@ class WindowAttention(ReplacementMixer):
         ``sink + window`` tokens the slot the token goes to is then a host integer and the step is
         one fixed sequence of tensor ops, the same on every device, with no host sync
         (:meth:`_steady_step`; :meth:`compile_step` compiles it). Otherwise every row's slot is
-        computed on the device (:meth:`_row_step`). On CPU in float32 the compiled C step runs."""
+        computed on the device (:meth:`_row_step`). On CPU in float32, and in bf16 with the window's
+        K/V in bf16, the compiled C step runs (:meth:`_kernel_ready`)."""
         if not self.fast or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             general = lambda q, k, v, state, _, mask: self._general(q, k, v, state, mask, self.window, True)  # noqa: E731
             out, new = self._in_compute_dtype(general, q, k, v, state, True, None)  # keep autograd intact
@@ -534,10 +539,15 @@ class WindowAttention(ReplacementMixer):
         return y.reshape(B, 1, self.d_out).to(dtype)
 
     def _kernel_ready(self, q: torch.Tensor, state) -> bool:
-        """The compiled step applies: float32 inference on CPU, contiguous state, kernel built."""
-        if not self.use_kernel or q.device.type != "cpu" or q.dtype != torch.float32:
+        """The compiled step applies: inference on CPU with the activations and the window's K/V in
+        one dtype the kernel takes (float32, or bf16 beside float32 sums: a bf16 model's precision
+        policy; :data:`KERNEL_DTYPES`), contiguous state, kernel built. The prefill asks it in the
+        compute dtype (float32 for bf16 activations: :meth:`_in_compute_dtype`)."""
+        if not self.use_kernel or q.device.type != "cpu" or q.dtype not in KERNEL_DTYPES:
             return False
-        if state[0].dtype != torch.float32 or state[2].dtype != torch.long or not all(t.is_contiguous() for t in state):
+        if state[0].dtype != q.dtype or state[1].dtype != q.dtype or state[2].dtype != torch.long:
+            return False
+        if any(t.dtype != torch.float32 for t in state[3:]) or not all(t.is_contiguous() for t in state):
             return False
         return cpu_kernels.available()
 

@@ -9,14 +9,18 @@ which is more than 10x faster on the dev CPU. The same file has the whole decode
 ``in_proj`` and ``out_proj`` in one call, instead of about 25 small PyTorch ops per layer and
 token (their dispatch overhead, not their arithmetic, was the cost). ``kernels/window_cpu.c`` does
 the same for the decode step of the window and hybrid mixers (write the ring slot, fold the
-evicted key, attend, add the state), about 35 PyTorch ops per layer and token in one call.
+evicted key, attend, add the state), about 35 PyTorch ops per layer and token in one call, in
+float32 or, for a bf16 model, over its bf16 activations and window K/V (``rf_window_step_bf16``:
+bf16 loaded exactly, float32 arithmetic and sums, the output rounded as torch rounds it).
 
 * Built on first use with ``$CC`` (default ``cc``), cached under ``<rfkit cache>/kernels``
   keyed by the source, the flags and the machine, and renamed into place, so concurrent
   builds never see a half-written library.
 * No compiler, a failed build or ``RFKIT_CPU_KERNEL=0`` only switches it off: the block then
   uses the pure-PyTorch scan (:func:`rfkit.ops.scan.selective_scan_prefix`), and says so once.
-* Inference only (float32, no autograd); the block uses it when no gradient is needed.
+* Inference only (no autograd); the block uses it when no gradient is needed. The scans and
+  the window prefill compute in float32 (a bf16 model's mixers reach them in their float32
+  compute dtype, :mod:`rfkit.models.precision`); the window step also takes bf16 (above).
 * Prefill work (the scan's channels, the window prefill's rows or pieces of its chunk) is split
   over ``torch.get_num_threads()`` threads. Built with ``-fopenmp``, the library shares
   ``libgomp.so.1`` with PyTorch, so the threads are PyTorch's own warm OpenMP pool; a Python
@@ -142,8 +146,11 @@ def _open(variant: list[str]):
     lib.rf_selective_scan_rows_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
     lib.rf_mamba_step_f32.restype = ctypes.c_int
     lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
-    lib.rf_window_step_f32.restype = ctypes.c_int
-    lib.rf_window_step_f32.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    for step in (lib.rf_window_step_f32, lib.rf_window_step_bf16):
+        step.restype = ctypes.c_int
+        step.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    lib.rf_f32_to_bf16.restype = None
+    lib.rf_f32_to_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     prefill = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float]
     lib.rf_window_prefill_f32.restype = ctypes.c_int
     lib.rf_window_prefill_f32.argtypes = prefill + [ctypes.c_int64] * 4
@@ -251,11 +258,30 @@ def mamba_step_cpu(block, xz: torch.Tensor, conv_state: torch.Tensor, ssm_state:
     return y
 
 
+#: the compiled window step for each dtype of the activations and the window's K/V (the sums and
+#: the weights are float32 with both)
+WINDOW_STEP_ENTRIES = {torch.float32: "rf_window_step_f32", torch.bfloat16: "rf_window_step_bf16"}
+
+
+@torch.no_grad()
+def to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bf16 by the kernels' own conversion (what the bf16 step stores its output
+    with), for the tests to hold it to ``x.to(torch.bfloat16)``."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.rf_f32_to_bf16(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
 def window_step_plan(block, state) -> dict:
     """What every decode step of one state passes to the compiled window step besides the token:
-    the state's and the weights' pointers, the sizes and the tensors they point into (kept
-    alive). Made once per state by ``WindowAttention._step_plan``, which has checked dtypes,
-    devices and layouts (float32, contiguous, on CPU)."""
+    the entry for the window's dtype (:data:`WINDOW_STEP_ENTRIES`), the state's and the weights'
+    pointers, the sizes and the tensors they point into (kept alive). Made once per state by
+    ``WindowAttention._step_plan``, which has checked dtypes, devices and layouts (activations and
+    K/V of one dtype of :data:`WINDOW_STEP_ENTRIES`, float32 sums, contiguous, on CPU)."""
     keys, values, seen = state[0], state[1], state[2]
     hybrid = len(state) > 3
     keep = [keys, values, seen, block.kernel_index()]
@@ -265,25 +291,29 @@ def window_step_plan(block, state) -> dict:
     pointers += [_ptr(keep[4]), _ptr(keep[5]), _ptr(keep[6]), _ptr(keep[7]), _ptr(keep[8])] if hybrid else [None] * 5
     sizes = [keys.shape[0], block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window]
     sizes += [block.feature_dim if hybrid else 0, block.scaling]
-    return {"keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes, "out_shape": (keys.shape[0], 1, block.d_out)}
+    return {
+        "keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes,
+        "out_shape": (keys.shape[0], 1, block.d_out), "dtype": keys.dtype, "entry": WINDOW_STEP_ENTRIES[keys.dtype],
+    }  # fmt: skip
 
 
 def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
     hybrid subclass) with the state of ``plan`` (:func:`window_step_plan`): ``q`` (B, Hq, 1, hd),
-    ``k`` / ``v`` (B, Hkv, 1, hd) float32; the state is updated in place. Returns (B, 1, Hq * hd)."""
+    ``k`` / ``v`` (B, Hkv, 1, hd) in the dtype of the state's K/V (float32 or bf16); the state is
+    updated in place. Returns (B, 1, Hq * hd) in that dtype."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, 1, hd): laid out as (B, H, hd)
-    out = torch.empty(plan["out_shape"], dtype=torch.float32)
+    out = torch.empty(plan["out_shape"], dtype=plan["dtype"])
     keys, values, seen, S, z, fmap, weights, decay = plan["pointers"]
-    rc = lib.rf_window_step_f32(
+    rc = getattr(lib, plan["entry"])(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), keys, values, seen, S, z, fmap, weights, decay, plan["index"],
         out.data_ptr(), *plan["sizes"],
     )  # fmt: skip
     if rc != 0:
-        raise MemoryError("rf_window_step_f32 could not allocate its work buffer")
+        raise MemoryError(f"{plan['entry']} could not allocate its work buffer")
     return out
 
 

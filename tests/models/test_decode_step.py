@@ -9,6 +9,7 @@ import torch
 from helpers import random_ids, tiny_model
 from test_fast_paths import HD, KINDS, W, block, qkv
 
+import rfkit.models.window as window_module
 from rfkit.experiments.speed import layer_step
 from rfkit.models.hybrid_mamba import HybridMambaAttention
 from rfkit.models.modeling import to_recurformer
@@ -75,6 +76,93 @@ def test_the_steady_step_in_bf16_keeps_float32_sums_and_matches_the_per_row_step
         torch.testing.assert_close(a.float(), c.float(), rtol=1e-5, atol=1e-5)
 
 
+def bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """A state tensor compared bit for bit: bf16 as its 16-bit words (-0.0 is not 0.0)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+@pytest.mark.parametrize("kvq", [[0, 0, 1, 1], [0, 1, 0, 1]], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("kind", KINDS + ["hybrid_mamba"])
+def test_the_bf16_c_step_matches_the_pytorch_bf16_step(kind, sink, kvq, monkeypatch):
+    """A bf16 model's step (bf16 activations and window K/V, float32 sums: rfkit.models.precision)
+    runs the compiled ``rf_window_step_bf16`` (the hybrid Mamba has no compiled step: its PyTorch
+    step, in both runs). From an empty state, a left-padded prefill (per-row counts) and a prefill
+    told the count (the PyTorch steady step), over three ring wraps: the PyTorch bf16 step's
+    outputs to within one bf16 rounding (both compute in float32 from the same bf16 values), the
+    window's K/V bit for bit, the sums to float32 rounding; and the same against the float32
+    kernel run on the same values (the K/V then rounded to bf16: bit for bit)."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    bf16 = torch.bfloat16
+    b = any_block(kind, sink, kvq).float()
+    q, k, v = (t.to(bf16) for t in qkv(2, 2 * W + 3, kvq, seed=11))
+    mask = torch.ones(2, q.shape[2], dtype=torch.long)
+    mask[1, :4] = 0
+    steps = [tuple(t.to(bf16) for t in qkv(2, 1, kvq, seed=20 + i)) for i in range(3 * W)]
+    entries = []
+    compiled = cpu_kernels.window_step_planned
+    record = lambda plan, *a: entries.append(plan["entry"]) or compiled(plan, *a)  # noqa: E731
+    monkeypatch.setattr(cpu_kernels, "window_step_planned", record)
+    within_bf16 = dict(rtol=2**-7, atol=1e-5)  # one bf16 rounding apart at most
+    with torch.no_grad():
+        for start in ("empty", "padded", "counted"):
+            if start == "empty":
+                state, count = b.empty_state(2, q.device, bf16), None
+            else:
+                state = b.attend(q, k, v, return_states=True, mask=mask if start == "padded" else None)[1]
+                count = q.shape[2] if start == "counted" else None
+            kernel, pytorch = [t.clone() for t in state], [t.clone() for t in state]
+            f32 = [t.float() if t.is_floating_point() else t.clone() for t in state]
+            for one in steps:
+                monkeypatch.setattr(WindowAttention, "use_kernel", True)
+                got, *kernel = b.step_qkv(*one, *kernel, seen=count)
+                ref, *f32 = b.step_qkv(*(t.float() for t in one), *f32, seen=count)
+                monkeypatch.setattr(WindowAttention, "use_kernel", False)
+                want, *pytorch = b.step_qkv(*one, *pytorch, seen=count)
+                assert got.dtype == bf16
+                torch.testing.assert_close(got, want, **within_bf16)
+                torch.testing.assert_close(got, ref.to(bf16), **within_bf16)
+                count = None if count is None else count + 1
+            for mine, theirs, wide in zip(kernel, pytorch, f32):
+                assert mine.dtype == theirs.dtype
+                if mine.dtype == bf16 or not mine.is_floating_point():  # the window's K/V and the count
+                    assert torch.equal(bf16_bits(mine), bf16_bits(theirs)), start
+                    assert torch.equal(bf16_bits(mine), bf16_bits(wide.to(mine.dtype))), start
+                else:  # the sums: float32 on every path
+                    assert mine.dtype == torch.float32
+                    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(mine, wide, rtol=1e-5, atol=1e-6)
+    assert set(cpu_kernels.WINDOW_STEP_ENTRIES) == set(window_module.KERNEL_DTYPES)  # what the mixers offer it
+    if kind == "hybrid_mamba":
+        assert not entries
+    else:  # every kernel-side step ran compiled code, the bf16 entry for the bf16 state
+        assert entries == ["rf_window_step_bf16", "rf_window_step_f32"] * (3 * len(steps))
+
+
+def test_the_kernels_round_float32_to_bf16_as_torch_does():
+    """The bf16 step stores its output with the kernels' own float32 -> bf16 rounding: the words
+    of torch's CPU cast (``.to(torch.bfloat16)``) for ties (to even), overflow to infinity,
+    subnormals, signed zeros, every NaN (ATen's cast writes 0xFFFF) and random bit patterns."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    special = [0x00000000, 0x80000000, 0x3F800000, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F817FFF, 0x7F7FFFFF,
+               0x7F7F8000, 0xFF7F7FFF, 0x7F800000, 0xFF800000, 0x00000001, 0x00008000, 0x00018000, 0x807FFFFF,
+               0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FFFFFFF]  # fmt: skip
+    words = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in special], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    words = torch.cat([words, torch.randint(-(2**31), 2**31, (100_000,), generator=g, dtype=torch.int32)])
+    exponents = torch.randint(-40, 38, (10_000,), generator=g)
+    scaled = torch.randn(10_000, generator=g) * 10.0**exponents  # subnormal to huge
+    x = torch.cat([words.view(torch.float32), scaled])
+    assert int(x.isnan().sum()) > 100  # random bit patterns include NaNs of every payload
+    assert torch.equal(cpu_kernels.to_bf16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
 def converted_hybrid():
     model = tiny_model("llama", 4, 2)
     model = to_recurformer(model, [[0, 1], [2, 3]], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
@@ -128,15 +216,25 @@ def test_the_compiled_steady_step_is_one_graph_for_every_step(monkeypatch):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "device-path"])
-def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel, monkeypatch):
+@pytest.mark.parametrize(
+    "kernel, dtype",
+    [(True, torch.float32), (True, torch.bfloat16), (False, torch.float32)],
+    ids=["cpu-kernel", "cpu-kernel-bf16", "device-path"],
+)
+def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel, dtype, monkeypatch):
     """The ``--layer-step`` counter: at most 40 torch calls per converted layer on the PyTorch path
-    that every device but a CPU in float32 runs (the issue's bound; 66 before the rotary matrix,
-    the two splits and the step's views), and at most 24 with the compiled C step (was 38). The
-    token's first converted layer also builds the rotary matrix that all of them share: a few
-    calls once per token, not per layer (HF's own cos / sin, once per token too, are not counted)."""
+    that every device but a CPU in float32 or bf16 runs (the issue's bound; 66 before the rotary
+    matrix, the two splits and the step's views), and at most 24 with the compiled C step (was 38),
+    for a bf16 model (bf16 base, float32 mixers) too. The token's first converted layer also builds
+    the rotary matrix that all of them share: a few calls once per token, not per layer (HF's own
+    cos / sin, once per token too, are not counted)."""
+    from rfkit.models.precision import keep_new_weights_float32
+
     monkeypatch.setattr(WindowAttention, "use_kernel", kernel)
     model = converted_hybrid()
+    if dtype != torch.float32:
+        model.to(dtype)
+        keep_new_weights_float32(model)
     counts = {context: layer_step(model, context, 0, torch.device("cpu"))["torch_calls_per_layer"] for context in (24, 40)}
     assert counts[24] == counts[40]  # the same ops at every step and length
     first, *others = counts[24]

@@ -282,6 +282,64 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, features, sink, leng
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("sink", [0, 3])
+@pytest.mark.parametrize("kind, features", KIND_FEATURES)
+def test_compiled_prefill_of_bf16_activations_matches_the_pytorch_bf16_prefill(kind, features, sink, monkeypatch):
+    """A bf16 model's prefill (bf16 activations and window K/V, float32 sums) runs the compiled
+    kernel in the mixer's float32 compute dtype (the chunk and the state converted once per call,
+    the K/V rounded back to bf16 as the PyTorch path rounds them): whole, continued from a state
+    and left padded, the PyTorch bf16 prefill's outputs to within one bf16 rounding, the window's
+    K/V bit for bit, the sums to float32 rounding."""
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    if kind == "window":
+        b = WindowAttention(KVQ, HD, window=W, sink=sink).eval()
+    else:
+        decay = 5.0 if kind == "hybrid_decay" else None
+        b = HybridWindowAttention(KVQ, HD, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
+        if kind in ("hybrid_open", "hybrid_decay"):
+            with torch.no_grad():
+                b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
+                b.log_scale.copy_(torch.tensor([0.2, -0.3, 0.0, 0.4]))
+    g = torch.Generator().manual_seed(sink)
+    length, cut = 150, 70
+    q = torch.randn(2, len(KVQ), length, HD, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, length, HD, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, : length // 3] = 0
+    calls = []
+    compiled = cpu_kernels.window_prefill_cpu
+    monkeypatch.setattr(cpu_kernels, "window_prefill_cpu", lambda *a: calls.append(1) or compiled(*a))
+
+    def run():
+        whole = b.attend(q, k, v, return_states=True)
+        first = b.attend(*(t[:, :, :cut] for t in (q, k, v)), return_states=True)
+        rest = b.attend(*(t[:, :, cut:] for t in (q, k, v)), *first[1], return_states=True)
+        padded = b.attend(q, k, v, return_states=True, mask=mask)
+        return [whole[0], rest[0], padded[0]], [*whole[1], *rest[1], *padded[1]]
+
+    with torch.no_grad():
+        monkeypatch.setattr(WindowAttention, "use_kernel", False)
+        want, want_states = run()
+        assert not calls
+        monkeypatch.setattr(WindowAttention, "use_kernel", True)
+        got, got_states = run()
+    assert len(calls) == 5  # whole, first, rest and the padded batch's two rows: all compiled
+    for a, c in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, c, rtol=2**-7, atol=1e-4)  # one bf16 rounding of float32 sums in another order
+    for a, c in zip(got_states, want_states):
+        assert a.dtype == c.dtype
+        if a.dtype == torch.bfloat16 or not a.is_floating_point():  # the window's K/V and the count
+            bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # noqa: E731
+            assert torch.equal(bits(a), bits(c))
+        else:
+            assert a.dtype == torch.float32  # the sums
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+
+
 def test_prefill_jobs_split_rows_or_cut_the_chunk_into_pieces_of_equal_cost():
     from rfkit.ops.cpu_kernels import MIN_PIECE_TOKENS, prefill_jobs
 

@@ -71,6 +71,60 @@ def test_bf16_decoding_equals_the_bf16_full_forward_and_keeps_float32_states(ope
             assert kinds[:2] == ["torch.bfloat16"] * 2 and set(kinds[2:]) <= {"torch.float32"}
 
 
+#: the compiled CPU kernels a bf16 model's mixers run, per operator (the hybrid Mamba has none)
+KERNELS = {
+    "mamba": {"selective_scan_cpu", "mamba_step_cpu"},
+    "sink_recent": {"window_prefill_cpu", "rf_window_step_bf16"},
+    "hybrid": {"window_prefill_cpu", "rf_window_step_bf16"},
+    "hybrid_mamba": set(),
+}
+
+
+@pytest.mark.parametrize("operator", OPERATORS)
+def test_a_bf16_model_decodes_through_the_compiled_cpu_kernels_with_the_pytorch_paths_tokens(operator, monkeypatch):
+    """On CPU a bf16 model's mixers run the compiled kernels: the Mamba block's scan and step (its
+    float32 weights and states), the window mixers' prefill (in their float32 compute dtype) and
+    their step over the bf16 window (``rf_window_step_bf16``), every step of every layer. Greedy
+    tokens (the ring wraps several times) equal those of the PyTorch paths."""
+    import rfkit.models.mamba as mamba_module
+    from rfkit.models.mamba import MambaBlock
+    from rfkit.models.window import WindowAttention
+    from rfkit.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
+    calls = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+
+    counted(mamba_module, "selective_scan_cpu")
+    counted(mamba_module, "mamba_step_cpu")
+    counted(cpu_kernels, "window_prefill_cpu")
+    step = cpu_kernels.window_step_planned
+    record = lambda plan, *a: calls.append(plan["entry"]) or step(plan, *a)  # noqa: E731
+    monkeypatch.setattr(cpu_kernels, "window_step_planned", record)
+    model = converted(operator)
+    ids = random_ids(2, 12, seed=5)
+    new = 12  # past the 12-token prompt, the window of 2 + 6 wraps once more
+    greedy = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        compiled = model.generate(ids, **greedy)
+        assert set(calls) == KERNELS[operator]
+        if KERNELS[operator]:  # every decode step of both layers
+            assert len([c for c in calls if c in ("mamba_step_cpu", "rf_window_step_bf16")]) == 2 * (new - 1)
+        calls.clear()
+        monkeypatch.setattr(WindowAttention, "use_kernel", False)
+        for block in model.modules():
+            if isinstance(block, MambaBlock):
+                monkeypatch.setattr(block, "use_fast_path", "never")
+        pytorch = model.generate(ids, **greedy)
+    assert not calls
+    assert compiled.shape[1] == ids.shape[1] + new
+    assert torch.equal(compiled, pytorch)
+
+
 def test_the_hybrid_sums_keep_growing_beyond_what_bf16_can_add():
     """z sums phi(k) of every evicted token (entries near 1 / feature_dim): in bf16 it would stop
     growing once its spacing passes the increment (about 64 for increments near 0.1). Fed bf16

@@ -4,7 +4,10 @@
  * key and value into their slot of the sink + ring buffer, fold the key the token evicts from the
  * ring into the linear-attention state (hybrid), attend over the buffer, add the state's
  * contribution under the same normaliser, and count the token. The PyTorch step is its twin and
- * the tests compare the two. Inference only, float32, every array contiguous.
+ * the tests compare the two. Inference only, every array contiguous. rf_window_step_f32 takes
+ * float32 throughout; rf_window_step_bf16 takes a bf16 model's: q, k, v, the window (keys, values)
+ * and out as bf16 words, the sums and the weights float32 (rfkit.models.precision). Both are one
+ * body (window_step): bf16 is loaded exactly, every sum is float32, only the output is rounded.
  *
  *   q        : (batch, hq, hd)       rotated queries of the replaced heads (unscaled)
  *   k, v     : (batch, hkv, hd)      the new token's rotated key and value
@@ -108,20 +111,67 @@ static void feature_any(const float *restrict x, const float *restrict w, int64_
     }
 }
 
-int rf_window_step_f32(const float *q, const float *k, const float *v, float *keys, float *values,
-                       int64_t *seen, float *S_state, float *z_state, const float *fmap,
-                       const float *g, const float *decay, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
-                       int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f,
-                       float scaling) {
+/* bf16 words (uint16): the upper half of a float32. Loading is exact; storing rounds to nearest,
+ * ties to even, as torch's CPU tensor cast (.to(torch.bfloat16)) does, and turns every NaN into
+ * 0xFFFF as that cast does (ATen's vectorised conversion; c10's scalar one writes 0x7FC0). The NaN
+ * test reads the bits: -ffast-math lets the compiler assume x == x. */
+typedef uint16_t rf_bf16;
+
+static inline float bf16_to_f32(rf_bf16 w) {
+    const uint32_t u = (uint32_t)w << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline rf_bf16 f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
+    return (rf_bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of an array of float32 (bf16 = 0) or bf16 words (bf16 = 1), as float32, and the store
+ * back. The kernels below are written once over these and instantiated with bf16 a compile-time
+ * constant, so the float32 instance reads and writes plain floats. */
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const rf_bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((rf_bf16 *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* n elements of p from element i as float32: p itself (float32), or converted into buf (bf16). */
+static inline const float *as_f32(const void *p, int64_t i, int64_t n, int bf16, float *buf) {
+    if (!bf16) return (const float *)p + i;
+    const rf_bf16 *w = (const rf_bf16 *)p + i;
+    for (int64_t d = 0; d < n; ++d) buf[d] = bf16_to_f32(w[d]);
+    return buf;
+}
+
+/* The decode step over activations and window K/V of one element type (module comment): q, k, v,
+ * keys, values and out are float32 (bf16 = 0) or bf16 words (bf16 = 1); the new key and value are
+ * copied into their slot as they are, every sum is float32 and the output is rounded once. */
+static inline __attribute__((always_inline)) int window_step(
+    const void *q, const void *k, const void *v, void *keys, void *values, int64_t *seen, float *S_state,
+    float *z_state, const float *fmap, const float *g, const float *decay, const int64_t *kvq, void *out,
+    int64_t batch, int64_t hq, int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling,
+    const int bf16) {
     const int64_t ns = sink + window, half = f / 2;
-    float *work = (float *)malloc(sizeof(float) * (size_t)(ns + 2 * f + 2));
+    const size_t esize = bf16 ? sizeof(rf_bf16) : sizeof(float);
+    /* scores, phi, then float32 copies of an evicted key and value, of a query and its output (bf16) */
+    float *work = (float *)malloc(sizeof(float) * (size_t)(ns + 2 * f + 2 + 4 * hd));
     if (!work) return -1;
-    float *p = work, *phi = work + ns;
+    float *p = work, *phi = work + ns, *kf = phi + 2 * f + 2, *vf = kf + hd, *qf = vf + hd, *yf = qf + hd;
     unsigned char valid[ns > 0 ? ns : 1];
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = seen[b];
         const int64_t ring = sink + n % window;
-        float *kb = keys + b * hkv * ns * hd, *vb = values + b * hkv * ns * hd;
+        const int64_t kb = b * hkv * ns * hd; /* this row's keys and values (element offset) */
         if (S_state && decay) { /* the state ages by one token */
             for (int64_t h = 0; h < hkv; ++h) {
                 float *S = S_state + (b * hkv + h) * f * hd, *z = z_state + (b * hkv + h) * f;
@@ -132,7 +182,8 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
         }
         if (S_state && n - window >= sink) { /* fold the evicted token (rank n - window) */
             for (int64_t h = 0; h < hkv; ++h) {
-                const float *ko = kb + (h * ns + ring) * hd, *vo = vb + (h * ns + ring) * hd;
+                const int64_t o = kb + (h * ns + ring) * hd;
+                const float *ko = as_f32(keys, o, hd, bf16, kf), *vo = as_f32(values, o, hd, bf16, vf);
                 feature(ko, fmap + h * hd * half, hd, half, phi);
                 float *S = S_state + (b * hkv + h) * f * hd, *z = z_state + (b * hkv + h) * f;
                 for (int64_t j = 0; j < f; ++j) {
@@ -143,8 +194,9 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
         }
         const int64_t slot = n < sink ? n : ring;
         for (int64_t h = 0; h < hkv; ++h) {
-            memcpy(kb + (h * ns + slot) * hd, k + (b * hkv + h) * hd, sizeof(float) * (size_t)hd);
-            memcpy(vb + (h * ns + slot) * hd, v + (b * hkv + h) * hd, sizeof(float) * (size_t)hd);
+            const int64_t to = kb + (h * ns + slot) * hd, from = (b * hkv + h) * hd;
+            memcpy((char *)keys + to * esize, (const char *)k + from * esize, esize * (size_t)hd);
+            memcpy((char *)values + to * esize, (const char *)v + from * esize, esize * (size_t)hd);
         }
         /* slots visible to the new token (rank n): sink slots i <= n, ring ranks >= sink */
         for (int64_t i = 0; i < sink; ++i) valid[i] = i <= n;
@@ -153,25 +205,24 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
             valid[sink + j] = n - back >= sink;
         }
         for (int64_t h = 0; h < hq; ++h) {
-            const int64_t kv = kvq[h];
-            const float *qh = q + (b * hq + h) * hd;
-            const float *kk = kb + kv * ns * hd, *vv = vb + kv * ns * hd;
+            const int64_t kv = kvq[h], kk = kb + kv * ns * hd, oh = (b * hq + h) * hd;
+            const float *qh = as_f32(q, oh, hd, bf16, qf);
             float m = -FLT_MAX; /* every query sees at least itself */
             for (int64_t t = 0; t < ns; ++t) {
                 if (!valid[t]) continue;
                 float acc = 0.0f;
-                for (int64_t d = 0; d < hd; ++d) acc += qh[d] * kk[t * hd + d];
+                for (int64_t d = 0; d < hd; ++d) acc += qh[d] * ld(keys, kk + t * hd + d, bf16);
                 p[t] = acc * scaling;
                 if (p[t] > m) m = p[t];
             }
             float Z = 0.0f;
-            float *y = out + (b * hq + h) * hd;
+            float *y = bf16 ? yf : (float *)out + oh;
             for (int64_t d = 0; d < hd; ++d) y[d] = 0.0f;
             for (int64_t t = 0; t < ns; ++t) {
                 if (!valid[t]) continue;
                 const float e = expf(p[t] - m);
                 Z += e;
-                for (int64_t d = 0; d < hd; ++d) y[d] += e * vv[t * hd + d];
+                for (int64_t d = 0; d < hd; ++d) y[d] += e * ld(values, kk + t * hd + d, bf16);
             }
             float c = 0.0f, zl = 0.0f;
             if (S_state && g[h] > 0.0f) {
@@ -185,12 +236,36 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
                 }
             }
             const float inv = 1.0f / (Z + c * zl);
-            for (int64_t d = 0; d < hd; ++d) y[d] *= inv;
+            for (int64_t d = 0; d < hd; ++d) st(out, oh + d, y[d] * inv, bf16);
         }
         seen[b] = n + 1;
     }
     free(work);
     return 0;
+}
+
+int rf_window_step_f32(const float *q, const float *k, const float *v, float *keys, float *values,
+                       int64_t *seen, float *S_state, float *z_state, const float *fmap,
+                       const float *g, const float *decay, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
+                       int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f,
+                       float scaling) {
+    return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
+                       sink, window, f, scaling, 0);
+}
+
+/* rf_window_step_f32 for bf16 activations beside a bf16 window (the precision policy of a bf16
+ * model): q, k, v, keys, values and out are bf16 words, S_state, z_state and the weights float32. */
+int rf_window_step_bf16(const rf_bf16 *q, const rf_bf16 *k, const rf_bf16 *v, rf_bf16 *keys, rf_bf16 *values,
+                        int64_t *seen, float *S_state, float *z_state, const float *fmap, const float *g,
+                        const float *decay, const int64_t *kvq, rf_bf16 *out, int64_t batch, int64_t hq,
+                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling) {
+    return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
+                       sink, window, f, scaling, 1);
+}
+
+/* float32 -> bf16 words as the kernels store them (the tests hold it to torch's cast). */
+void rf_f32_to_bf16(const float *x, rf_bf16 *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
 }
 
 /* Prefill of one chunk of L tokens, every row having `seen` tokens before it, for the rows
