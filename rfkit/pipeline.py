@@ -1,20 +1,33 @@
 """The pipeline as named steps: resolve, load, profile, select, convert, improve, train, measure, save.
 
-Every command that converts a model runs these functions, and only these:
+Every command that loads or converts a model runs these functions, and only these, and resolves
+its model spec once:
 
 * ``rfkit fit``: :meth:`RecurFormerModule.configure_model <rfkit.training.module.RecurFormerModule.configure_model>`
   calls :func:`prepare` (or :func:`rebuild` and :func:`improve` when it resumes a checkpoint);
   Lightning's ``Trainer.fit`` is the **train** step; the ``RunSummary`` callback calls :func:`save`.
 * ``rfkit convert``: :func:`run_convert` (:func:`prepare`, then :func:`save`).
 * ``rfkit profile``: :func:`run_profile` (resolve, load, profile, select, :func:`save_head_map`).
-* the evaluations that convert a recipe on the spot (:mod:`rfkit.config.loading`): :func:`prepare`.
+* ``rfkit eval`` (``ppl``, ``passkey``, ``hashhop``, ``lm-eval``, ``context``) and ``rfkit bench``
+  (``cache``, ``speed``), through :class:`rfkit.config.loading.ModelSpec`: :func:`load_saved` for
+  a saved directory, :func:`prepare` for a recipe converted on the spot, :func:`resolve` and
+  :func:`load` for the original base model, :func:`load_config` and :func:`load_tokenizer` for
+  what validation reads first; ``rfkit eval context`` builds its training-free baseline with
+  :func:`convert`.
+* ``rfkit sweep``: :func:`resolve` and :func:`load` once, :func:`profile` once per setting; every
+  row selects its beta's heads from that profile (so the selections nest) and runs :func:`convert`
+  on a copy of the base, or with ``--fit`` runs ``rfkit fit`` inside :func:`sharing` (it resolves
+  nothing again); ``--trained`` directories :func:`load_saved`.
 
 :class:`~rfkit.config.lightning_cli.RFTrainer`'s ``profile`` and ``convert`` only dispatch here.
 The steps in order:
 
 1. :func:`resolve`: the model spec (``model.base_model``) resolved once, into a
-   :class:`~rfkit.hub.ModelSource` that the config, weight and tokenizer loads share.
-2. :func:`load`: the base model's config and weights, on the device where conversion runs.
+   :class:`~rfkit.hub.ModelSource` that the config, weight and tokenizer loads share
+   (:func:`sharing` hands it to a command run inside another).
+2. :func:`load`: the base model's config and weights, on the device where conversion runs;
+   :func:`load_config` and :func:`load_tokenizer` read the config or tokenizer alone, and
+   :func:`load_saved` loads a model :func:`save` wrote (a directory: nothing to resolve).
 3. :func:`profile`: the calibration statistics the policy needs (cached).
 4. :func:`select`: the policy's choice of heads, as a :class:`~rfkit.conversion.headmap.HeadMap`.
 5. :func:`convert`: the selected heads replaced by the operator's blocks.
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextvars import ContextVar
 from pathlib import Path
 
 from rfkit.conversion import convert as conversion
@@ -46,26 +60,67 @@ from rfkit.training.teacher import SHARED_TEACHER_FROZEN
 
 log = logging.getLogger(__name__)
 
+_SHARED: ContextVar[tuple[ModelSource, ...]] = ContextVar("rfkit_shared_sources", default=())
+
 
 # -- the steps --------------------------------------------------------------------------------
 def resolve(spec: str | ModelSource, datamodule=None) -> ModelSource:
     """Step 1: ``spec`` resolved once (:func:`rfkit.hub.resolve_source`). When the datamodule's
     tokenizer is the same spec the two share one resolution: the datamodule's, if it resolved
-    first (``rfkit fit`` sets the data up before the model), or this one, handed to it."""
+    first (``rfkit fit`` sets the data up before the model), or this one, handed to it. Inside
+    :func:`sharing`, a spec resolved by the command that opened it is not resolved again."""
     known = getattr(datamodule, "model_source", None)
     if isinstance(known, ModelSource) and known.name == str(spec):
         return known
-    source = resolve_source(spec)
+    source = next((s for s in _SHARED.get() if s.name == str(spec)), None) or resolve_source(spec)
     shares = hasattr(datamodule, "model_source") and getattr(datamodule, "tokenizer_name", None) == source.name
     if known is None and shares:
         datamodule.model_source = source
     return source
 
 
+@contextlib.contextmanager
+def sharing(*sources: ModelSource):
+    """Within the block, :func:`resolve` answers a spec named by one of ``sources`` with it
+    instead of resolving again: a command that runs another in process (``rfkit sweep --fit``
+    runs ``rfkit fit`` for every row) hands it the resolution it holds."""
+    token = _SHARED.set(_SHARED.get() + tuple(sources))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def load(source: str | ModelSource, dtype: str = "float32", trust_remote_code: bool = False, device=None):
     """Step 2: the base model of ``source`` (config, then safetensors weights, in ``dtype``; its
     attention layout checked), moved to ``device`` when given. Returns the HF model."""
     model = conversion.load_base_model(source, dtype, trust_remote_code)  # looked up here: tests replace it
+    return model if device is None else model.to(device)
+
+
+def load_config(source: str | ModelSource, trust_remote_code: bool = False):
+    """Part of step 2, before any weights: the HF config of ``source`` (a spec is resolved here, a
+    :class:`ModelSource` is not resolved again), for the checks that read it first."""
+    return conversion.load_config(source, trust_remote_code)
+
+
+def load_tokenizer(source: str | ModelSource | None, directory=None):
+    """Part of step 2: the tokenizer saved in ``directory`` (a model :func:`save` wrote) when it
+    holds one, else that of ``source`` (a spec is resolved here, a :class:`ModelSource` is not)."""
+    from transformers import AutoTokenizer
+
+    if directory is not None and (Path(directory) / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(resolve_source(source).path)
+
+
+def load_saved(directory, device=None):
+    """Step 2 for a model :func:`save` wrote (or any HF causal-LM directory): its safetensors
+    weights as saved, moved to ``device`` when given. A directory is read as it is: nothing is
+    resolved. Returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), use_safetensors=True)
     return model if device is None else model.to(device)
 
 

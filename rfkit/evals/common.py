@@ -10,11 +10,10 @@ import torch
 
 from rfkit.config.args import OneLineParser
 from rfkit.config.loading import (
+    ModelSpec,
     ModelSpecError,
     check_lengths_fit,
-    check_model_spec,
     check_output_file,
-    model_config,
     torch_device,
 )
 from rfkit.validate import positive_int as _positive_int
@@ -47,15 +46,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) 
 
 def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
     """The model checks that need no weights: spec, device, output file and (when given) that
-    every length fits the model's context. Sets ``args.torch_device``."""
+    every length fits the model's context. Sets ``args.torch_device`` and ``args.model_spec``,
+    the command's one :class:`~rfkit.config.loading.ModelSpec` (its checks, recipe, resolution
+    and tokenizer serve validation and the run alike)."""
     from rfkit.config.catalog import resolve_model_spec
 
     args.torch_device = torch_device(args.device)
     check_output_file(args.json_out)
     args.model = resolve_model_spec(args.model)  # a catalogue name (smollm2_b05) is its recipe
-    check_model_spec(args.model, require_converted=False)
+    args.model_spec = ModelSpec(args.model)
     if lengths:
-        check_lengths_fit(lengths, model_config(args.model), flag, extra=extra_tokens)
+        check_lengths_fit(lengths, args.model_spec.config(), flag, extra=extra_tokens)
+
+
+def model_spec(args) -> ModelSpec:
+    """The command's :class:`~rfkit.config.loading.ModelSpec` (made from ``args.model`` when
+    :func:`check_model_arguments` has not run)."""
+    if getattr(args, "model_spec", None) is None or args.model_spec.spec != args.model:
+        args.model_spec = ModelSpec(args.model)
+    return args.model_spec
 
 
 def positive_int(args, name: str, minimum: int = 1) -> int:

@@ -86,7 +86,7 @@ def validate(args) -> None:
     if not args.no_passkey:
         from rfkit.evals.passkey import NEW_TOKENS, spec_tokenizer, template_tokens
 
-        need = template_tokens(spec_tokenizer(args.model)) + NEW_TOKENS
+        need = template_tokens(spec_tokenizer(args.model_spec)) + NEW_TOKENS
         if min(args.length_list) < need:
             raise EvalError(
                 f"--lengths: {min(args.length_list)} tokens cannot hold the passkey template and its answer "
@@ -98,7 +98,7 @@ def validate(args) -> None:
     args.output_dir = out
 
 
-def _blocks(source: str, tokenizer: str, lengths: list[int], tokens: int) -> dict[int, list]:
+def _blocks(source: str, tokenizer, lengths: list[int], tokens: int) -> dict[int, list]:
     from rfkit.experiments.sweep import long_sets
 
     return {n: next(iter(long_sets(source, tokenizer, [n], max(1, tokens // n)).values())) for n in lengths}
@@ -106,18 +106,18 @@ def _blocks(source: str, tokenizer: str, lengths: list[int], tokens: int) -> dic
 
 def _models(args, loaded, head_map):
     """``[(name, model, state_off)]``: the models measured, each built once (``state_off``: run within
-    :func:`rfkit.models.mixer.ablate_states`)."""
-    from rfkit.config.loading import DTYPE_NAMES, dir_dtype
-    from rfkit.conversion.convert import convert, load_base_model
+    :func:`rfkit.models.mixer.ablate_states`). The original loads from the base model's one
+    resolution, in the dtype DIR declares (:meth:`~rfkit.config.loading.ModelSpec.original`)."""
+    from rfkit import pipeline
     from rfkit.models.mixer import ablatable_mixers
 
-    dtype = DTYPE_NAMES.get(dir_dtype(Path(args.model)), "float32")
-    original = load_base_model(head_map.model, dtype).to(args.torch_device).eval()
+    original = args.model_spec.original(args.torch_device).eval()
     models = [("original", original, False), ("converted", loaded.model, False)]
     if ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
         models.append(("converted, state off", loaded.model, True))
     if args.baseline_operator is not None:
-        baseline = convert(copy.deepcopy(original), head_map, args.baseline_operator).to(args.torch_device).eval()
+        baseline, _ = pipeline.convert(copy.deepcopy(original), head_map, args.baseline_operator)
+        baseline = baseline.to(args.torch_device).eval()
         models.append((f"{args.baseline.replace(' ', '')}, training-free", baseline, False))  # the spec as given
     return models
 
@@ -149,14 +149,13 @@ def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
 
 def run(args) -> int:
     from rfkit.config.loading import load_model
-    from rfkit.conversion.headmap import HeadMap
     from rfkit.experiments.reports import write_report
     from rfkit.models.mixer import ablate_states
 
     start = time.time()
-    loaded = load_model(args.model, device=args.torch_device)
-    head_map = HeadMap.load(Path(args.model) / "head_map.json")
-    blocks = _blocks(args.source, head_map.model, args.length_list, args.tokens)
+    loaded = load_model(args.model_spec, device=args.torch_device)
+    head_map = args.model_spec.head_map
+    blocks = _blocks(args.source, args.model_spec.source(), args.length_list, args.tokens)  # the base's tokenizer
     rows = {}
     for name, model, closed in _models(args, loaded, head_map):
         t0 = time.time()

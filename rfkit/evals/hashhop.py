@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from pathlib import Path
 
 from rfkit.evals.common import (
     EvalError,
@@ -147,12 +146,13 @@ def add_arguments(parser) -> None:
     )
 
 
-def _tokenizer_for(spec: str):
-    from rfkit.config.loading import base_model_name, load_tokenizer
+def _tokenizer_for(spec):
+    """The tokenizer of ``spec`` (the command's :class:`~rfkit.config.loading.ModelSpec`, or a path)."""
+    from rfkit.config.loading import ModelSpec
 
-    path = Path(spec)
+    spec = ModelSpec.of(spec)
     try:
-        return load_tokenizer(path if path.is_dir() else None, base_model_name(spec))
+        return spec.tokenizer()
     except (OSError, ValueError) as e:
         raise EvalError(f"--model: cannot load a tokenizer for '{spec}': {' '.join(str(e).split())}") from None
 
@@ -161,7 +161,7 @@ def validate(args) -> None:
     """Checks that load no weights: counts, the data file, the model spec, and that the longest
     prompt plus the generated tokens fit the model's context (the tokenizer is loaded for that).
     Sets ``args.hh_samples``, ``args.max_new_tokens`` and ``args.prompt_tokens``."""
-    from rfkit.config.loading import ModelSpecError, check_lengths_fit, max_context, model_config
+    from rfkit.config.loading import ModelSpecError, check_lengths_fit, max_context
 
     positive_int("--samples", args.samples, optional=True, error=EvalError, message=AT_LEAST)
     positive_int("--batch-size", args.batch_size, error=EvalError, message=AT_LEAST)
@@ -179,14 +179,14 @@ def validate(args) -> None:
         samples = generate_samples(args.samples or 20, seed=args.seed, **kw)
         flag = "--chars"
     check_model_arguments(args)
-    tokenizer = _tokenizer_for(args.model)
+    tokenizer = _tokenizer_for(args.model_spec)
     prompt_tokens = max(len(tokenizer(s["prompt"])["input_ids"]) for s in samples)
     if args.max_new_tokens is None:
         args.max_new_tokens = completion_budget(tokenizer, samples)
     try:
-        check_lengths_fit([prompt_tokens], model_config(args.model), flag, extra=args.max_new_tokens)
+        check_lengths_fit([prompt_tokens], args.model_spec.config(), flag, extra=args.max_new_tokens)
     except ModelSpecError:
-        limit = max_context(model_config(args.model))
+        limit = max_context(args.model_spec.config())
         room = limit - args.max_new_tokens
         if flag == "--chars":
             where = f"a prompt of {args.chars} characters is up to {prompt_tokens} tokens"
@@ -206,7 +206,7 @@ def run(args) -> int:
     """Load the model, generate, score, print one summary line and write the JSON."""
     from rfkit.config.loading import load_model
 
-    loaded = load_model(args.model, args.original, args.torch_device)
+    loaded = load_model(args.model_spec, args.original, args.torch_device)
     start = time.time()
     result = evaluate_hashhop(loaded.model, loaded.tokenizer, args.hh_samples, args.batch_size, args.max_new_tokens)
     wall = time.time() - start

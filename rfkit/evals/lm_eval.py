@@ -162,7 +162,7 @@ def run(args) -> int:
 
     from rfkit.config.loading import load_model
 
-    loaded = load_model(args.model, args.original, args.torch_device)
+    loaded = load_model(args.model_spec, args.original, args.torch_device)
     start = time.perf_counter()
     lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal", batch_size=args.batch_size)
     results = lm_eval.simple_evaluate(

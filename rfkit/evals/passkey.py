@@ -198,14 +198,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
 
 
-def spec_tokenizer(spec: str):
-    """The tokenizer the model spec will load with (no weights)."""
-    from pathlib import Path
+def spec_tokenizer(spec):
+    """The tokenizer the model spec (a path, or the command's
+    :class:`~rfkit.config.loading.ModelSpec`) will load with (no weights)."""
+    from rfkit.config.loading import ModelSpec
 
-    from rfkit.config.loading import base_model_name, load_tokenizer
-
-    path = Path(spec)
-    return load_tokenizer(path if path.is_dir() else None, base_model_name(spec))
+    return ModelSpec.of(spec).tokenizer()
 
 
 def validate(args) -> None:
@@ -216,7 +214,7 @@ def validate(args) -> None:
     positive_int(args, "new_tokens")
     positive_int(args, "batch_size")
     check_model_arguments(args, args.length_list, extra_tokens=args.new_tokens)
-    need = template_tokens(spec_tokenizer(args.model))
+    need = template_tokens(spec_tokenizer(args.model_spec))
     short = [n for n in args.length_list if n < need]
     if short:
         raise EvalError(
@@ -228,7 +226,7 @@ def validate(args) -> None:
 def run(args) -> int:
     from rfkit.config.loading import load_model
 
-    loaded = load_model(args.model, args.original, args.torch_device)
+    loaded = load_model(args.model_spec, args.original, args.torch_device)
     start = time.perf_counter()
     result = evaluate_passkey(
         loaded.model, loaded.tokenizer, args.length_list, args.depth_list, args.trials, args.seed,

@@ -51,6 +51,7 @@ from rfkit.evals.common import (
     add_model_arguments,
     add_to_card,
     check_model_arguments,
+    model_spec,
     positive_int,
     write_json,
 )
@@ -96,7 +97,6 @@ def sliding_window_nll(model, ids, block_size: int, stride: int) -> tuple[float,
 def data_settings(args) -> dict:
     """Source, tokenizer, block size, validation blocks, split and text field to evaluate with:
     the flags, else the recipe's / head map's data settings, else the TextDataModule defaults."""
-    from rfkit.config.loading import check_model_spec
     from rfkit.data import DEFAULT_SPLIT, TextDataModule, default_split, source_kind
     from rfkit.hub import is_embedded, looks_like_path
 
@@ -106,12 +106,10 @@ def data_settings(args) -> dict:
         if p.default is not inspect.Parameter.empty
     }
     found: dict = {}
-    kind = check_model_spec(args.model, require_converted=False)
-    path = Path(args.model)
-    if kind == "recipe":
-        from rfkit.config.loading import parse_recipe
-
-        _, datamodule = parse_recipe(args.model)
+    spec = model_spec(args)
+    path = spec.path
+    if spec.kind == "recipe":
+        _, datamodule = spec.recipe
         found = {
             "source": datamodule.source,
             "tokenizer": datamodule.tokenizer_name,
@@ -122,10 +120,8 @@ def data_settings(args) -> dict:
             "hf_split": datamodule.hf_split,
             "hf_max_documents": datamodule.hf_max_documents,
         }
-    elif (path / "head_map.json").exists():
-        from rfkit.conversion.headmap import HeadMap
-
-        head_map = HeadMap.load(path / "head_map.json")
+    elif spec.head_map is not None:
+        head_map = spec.head_map
         recorded = dict(head_map.data or {})
         found = {k: recorded[k] for k in ("source", "seq_len", "split") if recorded.get(k) is not None}
         if isinstance(recorded.get("blocks"), dict) and recorded["blocks"].get("validation"):
@@ -277,16 +273,17 @@ def validate(args) -> None:
     block = args.settings["seq_len"]
     if args.mode == "sliding" and args.stride > block:
         raise EvalError(f"--stride: must be <= the block size ({block}), got {args.stride}")
-    from rfkit.config.loading import check_lengths_fit, model_config
+    from rfkit.config.loading import check_lengths_fit
 
-    check_lengths_fit([block], model_config(args.model), "--block-size")
+    check_lengths_fit([block], args.model_spec.config(), "--block-size")
     args.datamodule = make_datamodule(args.settings, args.batch_size)  # checks the source and fields
 
 
 def run(args) -> int:
     from rfkit.config.loading import load_model
 
-    loaded = load_model(args.model, args.original, args.torch_device)
+    loaded = load_model(args.model_spec, args.original, args.torch_device)
+    args.model_spec.share(args.datamodule)  # its tokenizer is the base model's: resolved once
     start = time.perf_counter()
     settings = dict(args.settings)
     if args.mode == "blocks":

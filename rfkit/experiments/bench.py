@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from rfkit.config.args import OneLineParser, parse_bytes, parse_lengths
-from rfkit.config.loading import DTYPE_NAMES, check_output_file, converted_from_recipe, torch_device
+from rfkit.config.loading import DTYPE_NAMES, ModelSpec, check_output_file, torch_device
 from rfkit.config.loading import check_model_spec as _check_spec
 from rfkit.conversion.evaluations import add_to_model
 from rfkit.errors import RFKitError
@@ -101,28 +101,24 @@ def check_model_spec(spec: str) -> str:
     return _check_spec(spec, require_converted=True)
 
 
-def load_pair(spec: str, device: torch.device) -> ModelPair:
-    """The original and the converted model, in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
-
-    from rfkit.conversion.convert import load_base_model
-    from rfkit.conversion.headmap import HeadMap
-
-    kind = check_model_spec(spec)
+def load_pair(spec: str | ModelSpec, device: torch.device) -> ModelPair:
+    """The original and the converted model, in eval mode on ``device``: the converted one as
+    saved (:func:`rfkit.pipeline.load_saved`) or converted from the recipe
+    (:func:`rfkit.pipeline.prepare`), then the original from the same one resolution of the base
+    model (:func:`rfkit.pipeline.load`), in the converted model's dtype or the recipe's."""
+    spec = ModelSpec.of(spec, require_converted=True)
     notes = []
-    if kind == "directory":
-        head_map = HeadMap.load(Path(spec) / "head_map.json")
-        converted = AutoModelForCausalLM.from_pretrained(spec, use_safetensors=True)
+    converted = spec.converted(device)
+    if spec.kind == "directory":
         dtype = DTYPE_NAMES[converted.dtype]
-        base, trust = head_map.model, False
     else:
-        converted, base, dtype, trust = converted_from_recipe(spec, device)
+        dtype = None  # the recipe's model.dtype
         notes.append("converted from the recipe without training (weights change neither cache size nor speed)")
-    original = load_base_model(base, dtype, trust)
+    original = spec.original(device, dtype)
     for model in (original, converted):
         model.to(device).eval()
         model.generation_config.pad_token_id = model.generation_config.eos_token_id
-    return ModelPair(original, converted, base, kind, notes)
+    return ModelPair(original, converted, spec.base_model, spec.kind, notes)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -386,7 +382,7 @@ def validate(args) -> None:
     args.torch_device = torch_device(args.device)
     check_output_file(args.json_out)
     args.model = resolve_model_spec(args.model)  # a catalogue name (smollm2_b05) is its recipe
-    check_model_spec(args.model)
+    args.model_spec = ModelSpec(args.model, require_converted=True)  # check_model_spec's checks, once
 
 
 def main(argv: list[str]) -> int:
@@ -396,7 +392,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     validate(args)
     device = args.torch_device
-    pair = load_pair(args.model, device)
+    pair = load_pair(args.model_spec, device)
     if getattr(args, "compile", False):
         from rfkit.models.window import compile_decode_steps
 

@@ -197,15 +197,17 @@ def variants(module, policy_specs: str, operator_specs: str) -> tuple[list, list
     return policies, operators
 
 
-def long_sets(source: str, tokenizer: str, lengths: list[int], blocks: int) -> dict[str, list]:
-    """``{"shakespeare@2048": batches, ...}``: ``blocks`` validation blocks of each length from
-    the validation documents of ``source`` (its default split), one block per batch."""
+def long_sets(source: str, tokenizer, lengths: list[int], blocks: int) -> dict[str, list]:
+    """``{"shakespeare@2048": batches, ...}``: ``blocks`` validation blocks of each length from the validation
+    documents of ``source`` (its default split), one block per batch; ``tokenizer``: a spec or a ModelSource."""
     from rfkit.data import TextDataModule
+    from rfkit.hub import ModelSource
 
     name = source.removeprefix("embedded:") if source.startswith("embedded:") else Path(source).name
     sets = {}
     for length in lengths:
-        data = TextDataModule(source=source, tokenizer=tokenizer, seq_len=length, val_blocks=blocks, calibration_samples=1, batch_size=1)
+        data = TextDataModule(source=source, tokenizer=getattr(tokenizer, "name", tokenizer), seq_len=length, val_blocks=blocks, calibration_samples=1, batch_size=1)
+        data.model_source = tokenizer if isinstance(tokenizer, ModelSource) else None  # resolved: not again
         data.setup("validate")
         sets[f"{name}@{length}"] = [{"input_ids": block[None]} for block in data.validation]
     return sets
@@ -252,7 +254,7 @@ def _fit(config: str, overrides: list[str], head_map_path: Path, operator, run_d
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
-    from rfkit.conversion.convert import convert, load_base_model, profile_for
+    from rfkit import pipeline
     from rfkit.conversion.headmap import HeadMap
     from rfkit.models.layout import AttentionLayout
 
@@ -264,19 +266,21 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    base = load_base_model(module.base_model, module.dtype_name, module.trust_remote_code).to(device)  # profiled there too
+    module.source = pipeline.resolve(module.base_model, datamodule)  # once, for every row; the data share it
+    base = pipeline.load(module.source, module.dtype_name, module.trust_remote_code, device)  # profiled there too
     layout = AttentionLayout.from_config(base.config)
     datamodule.setup("fit")
     profiles, by_settings = {}, {}  # one profile per distinct setting, even with reuse_profile: false
     for label, policy in policies:
         key = json.dumps(policy.profile_settings(), sort_keys=True)
         if key not in by_settings:
-            by_settings[key] = profile_for(base, module.base_model, policy, datamodule, module.reuse_profile)
+            by_settings[key] = pipeline.profile(base, module.base_model, policy, datamodule, module.reuse_profile)
         profiles[label] = by_settings[key]
     val = datamodule.validation if args.val_blocks is None else datamodule.validation[: args.val_blocks]
     val_batches = [{"input_ids": val[i : i + datamodule.batch_size]} for i in range(0, len(val), datamodule.batch_size)]
 
-    long = long_sets(args.long, datamodule.tokenizer_name, args.long_length_list, args.long_blocks) if args.long else {}
+    tokenizer = datamodule.tokenizer_spec()  # the base's resolution when the data's tokenizer is the base
+    long = long_sets(args.long, tokenizer, args.long_length_list, args.long_blocks) if args.long else {}
     original = measure(base, val_batches, args.cache_length, device, "perplexity (original)", long)
     several = len(policies) > 1 or len(operators) > 1
     jobs = [(p, o, beta) for p in policies for o in operators for beta in args.beta_list]
@@ -296,16 +300,17 @@ def run(args) -> dict:
         if head_map.replaced_heads == 0:
             row.update(original, trained=False, note="no head replaced: the original model")
         elif args.fit:
-            fitted = _fit(args.config, args.overrides, map_path, operator, out / tag)
+            with pipeline.sharing(module.source):  # the fit resolves nothing again
+                fitted = _fit(args.config, args.overrides, map_path, operator, out / tag)
             row.update(measure(fitted["model"], val_batches, args.cache_length, device, desc, long))
             row.update(trained=True, summary=fitted["summary_path"])
             del fitted
         else:
-            converted = convert(copy.deepcopy(base), head_map, operator)
+            converted, _ = pipeline.convert(copy.deepcopy(base), head_map, operator)
             if args.transfer and module.transfer_config is not None and getattr(operator, "trainable", True):
                 from rfkit.training.transfer import load_long_blocks, transfer
 
-                long_blocks = load_long_blocks(module.transfer_config, datamodule.tokenizer_name, datamodule.seed)
+                long_blocks = load_long_blocks(module.transfer_config, tokenizer, datamodule.seed)
                 report = transfer(converted, datamodule.calibration, module.transfer_config, long_blocks=long_blocks)
                 row.update(transferred=True, transfer_mse=report["mean_mse_after"], transfer_seconds=report["seconds"])
             row.update(measure(converted, val_batches, args.cache_length, device, desc, long))
