@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from helpers import tiny_model
+from helpers import loud_mixers, tiny_model
 
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import (
@@ -53,16 +53,7 @@ def converted(kind: str, dtype: torch.dtype = torch.float32):
     gates open, so that the mixers move the logits (a random tiny model barely uses them). A
     bf16 model is converted as ``model.dtype: bfloat16`` loads one: the base in bf16, the new
     weights float32 (rfkit.models.precision)."""
-    model = to_recurformer(loud_original().to(dtype), [[0, 1], [2, 3]], OPERATORS[kind]())
-    with torch.no_grad():
-        for layer in model.model.layers:
-            mixer = layer.self_attn.mixer
-            if hasattr(mixer, "out_proj"):
-                mixer.out_proj.weight.mul_(4.0)
-            if hasattr(mixer, "gate"):
-                mixer.gate.fill_(1.0)
-    model.generation_config.eos_token_id = None  # a random model may pick eos: keep going
-    model.generation_config.pad_token_id = 0
+    model = loud_mixers(to_recurformer(loud_original().to(dtype), [[0, 1], [2, 3]], OPERATORS[kind]()))
     return model.eval()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_ids, tiny_model
+from helpers import loud_mixers, random_ids, tiny_model
 
 from rfkit.models.cache import CacheCropError, mixer_state_store
 from rfkit.models.modeling import to_recurformer
@@ -36,16 +36,7 @@ def loud_model(operator: str):
         for layer in model.model.layers:
             layer.self_attn.v_proj.weight.mul_(4.0)
             layer.self_attn.o_proj.weight.mul_(4.0)
-    model = to_recurformer(model, [[0, 1], [2, 3]], OPERATORS[operator]())
-    with torch.no_grad():
-        for layer in model.model.layers:
-            mixer = layer.self_attn.mixer
-            if hasattr(mixer, "out_proj"):
-                mixer.out_proj.weight.mul_(4.0)
-            if hasattr(mixer, "gate"):
-                mixer.gate.fill_(1.0)
-    model.generation_config.eos_token_id = None  # never stop before NEW tokens
-    model.generation_config.pad_token_id = 0
+    model = loud_mixers(to_recurformer(model, [[0, 1], [2, 3]], OPERATORS[operator]()))
     return model.double().eval()
 
 

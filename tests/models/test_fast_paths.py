@@ -232,6 +232,20 @@ def test_compiled_step_matches_the_pytorch_step(kind, features, sink, monkeypatc
     assert len(calls) == 2 * len(steps)  # every kernel-side step ran the compiled code
 
 
+def kernel_block(kind: str, head_dim: int, sink: int, features: int) -> WindowAttention:
+    """A window or hybrid block for the compiled-kernel tests; ``hybrid_open`` and ``hybrid_decay``
+    with their gates open (and a decay horizon for the latter)."""
+    if kind == "window":
+        return WindowAttention(KVQ, head_dim, window=W, sink=sink).eval()
+    decay = 5.0 if kind == "hybrid_decay" else None
+    b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
+    if kind in ("hybrid_open", "hybrid_decay"):
+        with torch.no_grad():
+            b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
+            b.log_scale.copy_(torch.tensor([0.2, -0.3, 0.0, 0.4]))
+    return b
+
+
 @pytest.mark.parametrize("head_dim", [HD, 10, 64, 128])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("sink", [0, 3])
@@ -245,15 +259,7 @@ def test_compiled_prefill_matches_the_pytorch_prefill(kind, features, sink, leng
 
     if not cpu_kernels.available():
         pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
-    if kind == "window":
-        b = WindowAttention(KVQ, head_dim, window=W, sink=sink).eval()
-    else:
-        decay = 5.0 if kind == "hybrid_decay" else None
-        b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
-        if kind in ("hybrid_open", "hybrid_decay"):
-            with torch.no_grad():
-                b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
-                b.log_scale.copy_(torch.tensor([0.2, -0.3, 0.0, 0.4]))
+    b = kernel_block(kind, head_dim, sink, features)
     g = torch.Generator().manual_seed(length)
     q = torch.randn(2, len(KVQ), length, head_dim, generator=g)
     k, v = (torch.randn(2, 2, length, head_dim, generator=g) for _ in range(2))
@@ -294,15 +300,7 @@ def test_compiled_prefill_of_bf16_activations_matches_the_pytorch_bf16_prefill(k
 
     if not cpu_kernels.available():
         pytest.fail(f"the CPU kernel did not build: {cpu_kernels.unavailable_reason()}")
-    if kind == "window":
-        b = WindowAttention(KVQ, HD, window=W, sink=sink).eval()
-    else:
-        decay = 5.0 if kind == "hybrid_decay" else None
-        b = HybridWindowAttention(KVQ, HD, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
-        if kind in ("hybrid_open", "hybrid_decay"):
-            with torch.no_grad():
-                b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
-                b.log_scale.copy_(torch.tensor([0.2, -0.3, 0.0, 0.4]))
+    b = kernel_block(kind, HD, sink, features)
     g = torch.Generator().manual_seed(sink)
     length, cut = 150, 70
     q = torch.randn(2, len(KVQ), length, HD, generator=g, dtype=torch.bfloat16)
