@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": summary.get("wall_seconds"),
         "precision": summary.get("precision"),
         "ppl_ratio": summary.get("ppl_ratio"),
-        "transfer": {"capture_s": round(capture["seconds"], 1), "capture_calls": capture["calls"],
-                     "training_s": round(phases.get("transfer", 0.0) - capture["seconds"], 1)},  # fmt: skip
+        "transfer": {"capture_s": round(capture["seconds"], 3), "capture_calls": capture["calls"],
+                     "training_s": round(phases.get("transfer", 0.0) - capture["seconds"], 3)},  # fmt: skip
         "train": {"steps_s": round(stepping, 1), "outside_steps_s": round(phases.get("train", 0.0) - stepping, 1), "by_block_length": by_length},
         "steps": steps,
     }

@@ -154,11 +154,10 @@ def test_the_hybrid_closes_its_gates_through_the_interface():
 
 @pytest.mark.parametrize("mixer, state_off_row", [(HookedMixer, True), (PlainMixer, False), (BareMixer, False)])
 def test_eval_context_adds_the_state_off_row_for_mixers_that_have_one(mixer, state_off_row, monkeypatch, tmp_path):
-    from rfkit.conversion import convert
     from rfkit.evals import context
 
-    monkeypatch.setattr(convert, "load_base_model", lambda *_: tiny_model("llama"))
-    args = SimpleNamespace(model=str(tmp_path), torch_device=torch.device("cpu"), baseline_operator=None)
+    spec = SimpleNamespace(original=lambda device: tiny_model("llama"))  # the base, as ModelSpec.original loads it
+    args = SimpleNamespace(model=str(tmp_path), model_spec=spec, torch_device=torch.device("cpu"), baseline_operator=None)
     loaded = SimpleNamespace(model=converted(mixer))
     rows = [(name, closed) for name, _, closed in context._models(args, loaded, SimpleNamespace(model=str(Path(tmp_path))))]
     expected = [("original", False), ("converted", False)] + ([("converted, state off", True)] if state_off_row else [])
