@@ -101,9 +101,9 @@ def update(path: Path, key: str, row: dict) -> dict:
         cuda, cpu = data["cuda"], data["cpu"]
         data["cuda_speedup_train_step"] = round(cpu["seconds_per_train_step"] / max(cuda["seconds_per_train_step"], 1e-9), 2)
         data["cuda_speedup_transfer_step"] = round(cpu["seconds_per_transfer_step"] / max(cuda["seconds_per_transfer_step"], 1e-9), 2)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    from rfkit.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
     return data
 
 

@@ -71,13 +71,11 @@ def _library_path(variant: list[str]) -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's feature flags (:func:`rfkit.devices.cpu_flags`) as one string for the build key,
+    or the processor's name where Linux does not list them."""
+    from rfkit.devices import cpu_flags
+
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 class CompileError(RuntimeError):
