@@ -125,15 +125,14 @@ class RFKitCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check the parsed settings (:func:`rfkit.config.preflight.preflight`) before any class is
         built, any model loads or anything is written; resolve ``model.dtype: auto``
-        (:func:`rfkit.config.preflight.choose_precision`) and say what it chose."""
+        (:func:`rfkit.config.preflight.choose_precision`); the line saying what it chose waits for
+        the classes to build (:meth:`after_instantiate_classes`), so a bad value's one line comes alone."""
         from rfkit.config.preflight import choose_precision, preflight
 
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         preflight(self.subcommand, config)
         public_class_paths(config)
         self.rf_precision = choose_precision(config)  # model.dtype: auto, resolved before anything is built
-        if self.rf_precision:
-            log.info(self.rf_precision)
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         """rfkit's checkpointing: the ``checkpoint`` section (:class:`RunCheckpoint`) writes
@@ -174,6 +173,8 @@ class RFKitCLI(LightningCLI):
         model card."""
         import inspect
 
+        if getattr(self, "rf_precision", None):
+            log.info(self.rf_precision)  # every class built: the settings are valid, no model loaded yet
         config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         parser = self._parser(self.subcommand)
         # keep null values (reproducible); jsonargparse >= 4.49 calls skip_none skip_unset
