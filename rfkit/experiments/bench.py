@@ -138,7 +138,9 @@ def analytic_cache(model, batch: int = 1) -> dict:
         attn = layer.self_attn
         if isinstance(attn, RecurFormerAttention):
             kv_heads += len(attn.kept_kv_heads) if attn.has_kept else 0
-            state += attn.mixer.state_bytes(batch, attn.o_proj.weight.dtype)
+            kv_dtype = attn.o_proj.weight.dtype
+            cache_dtype = getattr(attn.mixer, "cache_dtype", None)  # a plugin's mixer may not have the hook
+            state += attn.mixer.state_bytes(batch, cache_dtype(kv_dtype) if callable(cache_dtype) else kv_dtype)
         else:
             kv_heads += layout.num_kv_heads
     total_kv = layout.num_kv_heads * len(_layers(model))

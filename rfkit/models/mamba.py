@@ -264,6 +264,11 @@ class MambaBlock(ReplacementMixer):
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
         return conv_state, ssm_state
 
+    def cache_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        """A model's forward keeps the conv inputs in the conv weight's dtype (float32 new weights
+        beside a bf16 base), whatever the model's K/V dtype."""
+        return self.conv1d.weight.dtype
+
     def state_bytes(self, batch_size: int, dtype=torch.float32) -> int:
         """Bytes of one (conv_state, ssm_state) pair for batch_size sequences: the conv state in
         ``dtype``, the SSM state in its compute dtype (float32 beside half precision)."""

@@ -49,6 +49,11 @@ class ReplacementMixer(nn.Module):
     #: whether the mixer takes activations in the model's dtype itself (module docstring)
     handles_dtype: bool = False
 
+    def cache_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        """The dtype to pass :meth:`state_bytes` for the state a model's forward leaves in its cache
+        when the model's K/V are ``kv_dtype``. The default: ``kv_dtype`` (a window of K/V)."""
+        return kv_dtype
+
     def draw_for_batch(self, active: bool = True) -> None:
         """Draw the randomness of this mixer's training forwards for the coming training batch and
         use it in every forward until the next call (``active=False``: stop, each training
