@@ -2,7 +2,7 @@
 
 The converted model, the original and a training-free streaming baseline at the same cache.
 
-    rfkit eval context --model DIR [--baseline "sink_recent(sink=4,window=64)"]
+    rfkit eval context --model DIR [--baseline matched | "sink_recent(sink=4,window=64)" | none]
                        [--lengths 1024,2048,4096,8192] [--source embedded:shakespeare]
                        [--tokens 8192] [--depths 0,0.5,1] [--trials 1] [--seed 0]
                        [--no-passkey] [--output DIR] [--device cpu]
@@ -15,9 +15,10 @@ All models run in one process on the same blocks and prompts:
 - ``converted, state off``: for a model whose mixers can switch their state off (the hybrid's
   gates close; :meth:`rfkit.models.mixer.ReplacementMixer.state_ablation`), the same model
   without its state: its window alone, at the same cache;
-- the ``--baseline`` operator on DIR's head map, training-free (default
-  ``sink_recent(sink=4,window=64)``: 4 sink and 64 recent tokens per replaced head, the bytes of
-  the default hybrid's window + state; ``--baseline none`` leaves it out).
+- the ``--baseline`` operator on DIR's head map, training-free. The default, ``matched``, is
+  ``sink_recent`` with 4 sink tokens and the recent window that holds the bytes DIR's replaced
+  heads hold (:func:`matched_baseline`): 4 + 64 tokens for the default hybrid in float32, 4 + 72
+  in bf16, where its K/V window halves but its state stays float32. ``--baseline none`` leaves it out.
 
 Perplexity: for each length L, ``--tokens // L`` blocks (at least one) of L tokens from the
 held-out documents of ``--source`` (``embedded:shakespeare``: whole plays, so every block is
@@ -40,12 +41,17 @@ from pathlib import Path
 from rfkit.config.args import parse_depths, parse_lengths
 from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int
 
-DEFAULT_BASELINE = "sink_recent(sink=4,window=64)"
+DEFAULT_BASELINE = "matched"
+EXAMPLE_BASELINE = "sink_recent(sink=4,window=64)"
+SINK = 4  # the matched baseline's sink tokens
 
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser, original=False)
-    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="training-free operator on the same head map, or none")
+    parser.add_argument(
+        "--baseline", default=DEFAULT_BASELINE,
+        help="training-free operator on the same head map; matched (default): sink_recent at the converted heads' bytes; or none",
+    )  # fmt: skip
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="context lengths in tokens, comma separated")
     parser.add_argument("--source", default="embedded:shakespeare", help="long documents whose held-out part is scored")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens scored per length: tokens // length blocks (at least 1)")
@@ -70,12 +76,14 @@ def validate(args) -> None:
     positive_int(args, "trials")
     check_model_arguments(args, args.length_list)
     args.baseline_operator = None
-    if args.baseline.strip().lower() != "none":
+    if args.baseline.strip().lower() == "matched":
+        args.baseline_operator = "matched"  # sized once the model is loaded (matched_baseline)
+    elif args.baseline.strip().lower() != "none":
         from rfkit.conversion import registry
 
         args.baseline_operator = registry.operator(args.baseline, "--baseline")  # a bad spec: one line
         if args.baseline_operator.trainable:
-            raise EvalError(f"--baseline: '{args.baseline}' has weights to train; give a training-free operator such as {DEFAULT_BASELINE}")
+            raise EvalError(f"--baseline: '{args.baseline}' has weights to train; give a training-free operator such as {EXAMPLE_BASELINE}")
     from rfkit.data import TextDataModule
     from rfkit.hub import SourceError
 
@@ -116,10 +124,36 @@ def _models(args, loaded, head_map):
     if ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
         models.append(("converted, state off", loaded.model, True))
     if args.baseline_operator is not None:
-        baseline, _ = pipeline.convert(copy.deepcopy(original), head_map, args.baseline_operator)
+        from rfkit.conversion import registry
+
+        spec = matched_baseline(loaded.model) if args.baseline_operator == "matched" else args.baseline.replace(" ", "")
+        operator = registry.operator(spec, "--baseline") if args.baseline_operator == "matched" else args.baseline_operator
+        baseline, _ = pipeline.convert(copy.deepcopy(original), head_map, operator)
         baseline = baseline.to(args.torch_device).eval()
-        models.append((f"{args.baseline.replace(' ', '')}, training-free", baseline, False))  # the spec as given
+        models.append((f"{spec}, training-free", baseline, False))  # the spec as given or as sized
     return models
+
+
+def matched_baseline(model) -> str:
+    """``sink_recent(sink=4,window=W)`` whose K/V hold the bytes of ``model``'s replaced heads:
+    the mixers' constant state (less each layer's 8-byte token counter, which the baseline keeps
+    too) over the replaced KV heads, in tokens of K/V at the model's dtype, rounded down, less the
+    4 sink tokens. It is the training-free model at the converted model's cache, in every dtype."""
+    from rfkit.experiments.bench import analytic_cache
+    from rfkit.models.layout import AttentionLayout
+    from rfkit.models.modeling import RecurFormerAttention
+
+    layout = AttentionLayout.from_config(model.config)
+    converted = [m for m in model.modules() if isinstance(m, RecurFormerAttention)]
+    replaced_kv = sum(len(a.mixer_kv_heads) for a in converted)  # the KV heads each layer's mixer reads
+    if not replaced_kv:
+        raise EvalError("--baseline matched: the model replaces no KV head; give --baseline none or an operator")
+    itemsize = converted[0].o_proj.weight.element_size()  # the K/V dtype (the base's)
+    state = analytic_cache(model)["state_bytes"] - 8 * len(converted)
+    tokens = state // (replaced_kv * 2 * layout.head_dim * itemsize)
+    if tokens <= SINK:
+        raise EvalError(f"--baseline matched: the replaced heads hold {tokens} tokens of K/V, no more than the {SINK} sink tokens; give --baseline with an operator")
+    return f"sink_recent(sink={SINK},window={tokens - SINK})"
 
 
 def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:

@@ -8,6 +8,7 @@ import shutil
 import pytest
 from helpers import run_cli
 
+from rfkit.config.loading import dir_dtype
 from rfkit.conversion import evaluations
 from rfkit.conversion.headmap import HeadMap
 
@@ -23,15 +24,22 @@ def test_context_measures_original_converted_state_off_and_the_baseline(converte
     assert code == 0, err
     result = json.loads((out / "context.json").read_text())
     rows = result["rows"]
-    assert list(rows) == ["original", "converted", "converted, state off", "sink_recent(sink=4,window=64), training-free"]
+    # the matched baseline, by hand: per replaced KV head (head_dim 16) the hybrid holds K and V of
+    # 4 + 56 tokens at e bytes (the weights' dtype) and a float32 16 x (16 + 1) state, which is
+    # (1920 e + 1088) / (32 e) tokens of K/V: 68 in float32 (4 + 64), 77 in bf16 (4 + 73)
+    e = dir_dtype(model).itemsize
+    window = (1920 * e + 1088) // (32 * e) - 4
+    assert window == {4: 64, 2: 73}[e]
+    name = f"sink_recent(sink=4,window={window}), training-free"
+    assert list(rows) == ["original", "converted", "converted, state off", name]
     assert result["blocks"] == {"128": 3, "192": 2}  # tokens // length blocks per length
     original = rows["original"]
     assert all(v == 1.0 for v in original["ppl_ratio"].values())
-    # the baseline spends the hybrid's bytes: 4 + 64 tokens against 4 + 56 tokens plus the state
+    # the baseline spends the hybrid's bytes: 4 + 64 tokens against 4 + 56 tokens plus the state (float32)
     head_map = HeadMap.load(model / "head_map.json")
     assert head_map.replaced_heads > 0
     for n in ("128", "192"):
-        hybrid, baseline = rows["converted"]["cache_bytes"][n], rows["sink_recent(sink=4,window=64), training-free"]["cache_bytes"][n]
+        hybrid, baseline = rows["converted"]["cache_bytes"][n], rows[name]["cache_bytes"][n]
         assert hybrid < original["cache_bytes"][n]
         assert abs(hybrid - baseline) / baseline < 0.01
         assert rows["converted, state off"]["cache_bytes"][n] == hybrid
