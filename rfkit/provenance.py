@@ -5,7 +5,11 @@ Every command that writes measured numbers (``rfkit fit``'s ``summary.json``, ``
 its JSON::
 
     "provenance": {"command": "rfkit eval context --model ...", "date": "2026-11-25T17:40:02+00:00",
-                   "commit": "bfdbdbf...", "dirty": false, "wall_seconds": 1957.7, "rfkit": "0.x"}
+                   "commit": "bfdbdbf...", "dirty": false, "wall_seconds": 1957.7, "rfkit": "0.x",
+                   "machine": "AMD EPYC, 2 threads, avx512_bf16"}
+
+``machine`` (:func:`machine`) says which processor a time was taken on: the project's machines
+change, and a bf16 time on a CPU with AMX is not one on a CPU without.
 
 ``benchmarks/render.py`` prints it under every table of the README and docs/ that it renders from
 the file, so a number on a page always names the command that measured it.
@@ -81,7 +85,35 @@ def provenance(started: float | None = None, command: str | None = None, wall_se
         "dirty": dirty,
         "wall_seconds": None if wall_seconds is None else round(float(wall_seconds), 1),
         "rfkit": __version__,
+        "machine": machine(),
     }
+
+
+def machine() -> str:
+    """The processor a result was measured on, in a few words: its model name, the threads torch
+    uses and its bf16 features (``amx_bf16``, ``avx512_bf16``; none listed: none), plus the GPU
+    where CUDA is up. Never raises: what cannot be read is left out."""
+    import platform
+
+    from rfkit.devices import cpu_flags
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    parts = [name or platform.processor() or platform.machine() or "unknown CPU"]
+    try:
+        import torch
+
+        parts.append(f"{torch.get_num_threads()} threads")
+        if torch.cuda.is_available():
+            parts.append(torch.cuda.get_device_name(0))
+    except Exception:  # noqa: BLE001 - a record, never a failure
+        pass
+    parts += sorted(f for f in cpu_flags() if f in ("amx_bf16", "avx512_bf16"))
+    return ", ".join(parts)
 
 
 def stamp(

@@ -7,7 +7,8 @@ import re
 
 from helpers import ROOT, run_cli
 
-from rfkit.provenance import command_line, git_state, provenance, stamp
+import rfkit.devices as devices
+from rfkit.provenance import command_line, git_state, machine, provenance, stamp
 
 
 def test_the_command_reads_as_the_user_typed_it():
@@ -24,6 +25,17 @@ def test_the_block_has_command_date_commit_and_wall_time():
     if (ROOT / ".git").exists():  # a clone: the commit checked out
         assert re.fullmatch(r"[0-9a-f]{40}", commit) and isinstance(dirty, bool)
     assert block["commit"] == commit
+
+
+def test_the_block_names_the_machine_its_threads_and_bf16_features(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "sse2"})
+    said = machine()
+    assert f"{torch.get_num_threads()} threads" in said and said.endswith("amx_bf16, avx512_bf16")
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"sse2"})  # no bf16 feature: none listed
+    assert "bf16" not in machine()
+    assert provenance(wall_seconds=1, command="x")["machine"] == machine()
 
 
 def test_a_result_is_stamped_once_unless_it_is_rewritten():

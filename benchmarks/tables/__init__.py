@@ -76,6 +76,7 @@ def source_lines(paths: list[Path]) -> list[str]:
         commit = (p.get("commit") or "no commit")[:7]
         when = (p.get("date") or "")[:10]
         note = "; provenance backfilled" if p.get("backfilled") else ""
+        note += f"; {p['machine']}" if p.get("machine") else ""  # recorded since 2026-11-27
         lines.append(f"- `{path.relative_to(ROOT)}`: `{p['command']}` ({_minutes(p.get('wall_seconds'))}, {when}, {commit}{note})")
     return lines
 
