@@ -96,9 +96,14 @@ def run_in_process(args, cache) -> None:
 
 def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
     """Overrides that run a SmolLM2 recipe's code paths (default: the default recipe's) on the
-    tiny model and corpus."""
+    tiny model and corpus. A recipe's ``model.dtype: auto`` is pinned to float32 here, so that
+    hand-computed bytes and scores are the same on every CPU; the recipe's own choice runs in
+    ``test_recipe_dry_runs.py``, ``test_integration.py`` and ``training/test_precision_choice.py``."""
+    model = yaml.safe_load(Path(recipe).read_text()).get("model") or {}
+    pin = ["--model.dtype", "float32"] if model.get("dtype") == "auto" else []
     return [
         "--config", recipe,
+        *pin,
         "--model.base_model", str(model_dir),
         "--model.policy.init_args.window", "4",
         "--data.source", str(corpus),
@@ -253,3 +258,24 @@ def loud_mixers(model):
     model.generation_config.eos_token_id = None  # never stop before the tokens asked for
     model.generation_config.pad_token_id = 0
     return model
+
+
+def float32_copy(model_dir, dest):
+    """A copy of a saved model directory with its weights in float32 (``config.json``'s dtype too):
+    for the checks that compare against hand-computed float32 scores, whatever dtype the recipe's
+    ``model.dtype: auto`` chose on this CPU."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dest)
+    weights = Path(dest) / "model.safetensors"
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((Path(dest) / "config.json").read_text())
+    config["dtype"] = "float32"
+    config.pop("torch_dtype", None)
+    (Path(dest) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(dest)
+

@@ -47,17 +47,19 @@ def test_cache_bench_measures_exact_bytes_and_the_analytic_prediction(converted_
     result = json.loads(out.read_text())
     head_map = HeadMap.load(converted_dir / "head_map.json")
     model = AutoModelForCausalLM.from_pretrained(str(converted_dir))
-    # by hand: 2 layers x 2 KV heads x (K and V) x head_dim 16 x 4 bytes per token in the original
-    kv_orig = 2 * 2 * 2 * 16 * 4
+    # by hand: 2 layers x 2 KV heads x (K and V) x head_dim 16 x e bytes per token in the original,
+    # e the bytes of the weights' dtype (the recipe's model.dtype auto: 2 where the CPU computes bf16)
+    e = _weight_dtype(converted_dir).itemsize
+    kv_orig = 2 * 2 * 2 * 16 * e
     kept_kv = 0
     state = 0
     for heads in head_map.selected:
         replaced_kv = len({h // 2 for h in heads})  # kv_group selection: whole groups
         kept_kv += 2 - replaced_kv
         if heads:  # the recipe's hybrid: K and V of 4 sink + 56 recent tokens, a long counter,
-            # and a 16-feature linear-attention state (16 x (16 + 1)) per replaced KV head
-            state += replaced_kv * (2 * (4 + 56) * 16 * 4 + 16 * (16 + 1) * 4) + 8
-    kv_conv = kept_kv * 2 * 16 * 4
+            # and a 16-feature linear-attention state (16 x (16 + 1)), float32 in every dtype, per replaced KV head
+            state += replaced_kv * (2 * (4 + 56) * 16 * e + 16 * (16 + 1) * 4) + 8
+    kv_conv = kept_kv * 2 * 16 * e
     for row, length in zip(result["rows"], (8, 40)):
         tokens = 4 + length
         assert row["cache_bytes_original"] == kv_orig * tokens
@@ -212,10 +214,19 @@ def test_decode_layers_benchmark_times_every_layer_and_bounds_the_step(converted
         assert len(row["step_ms_runs"]["original"]) == len(row["step_ms_runs"]["converted"]) == 2
 
 
+def _weight_dtype(model_dir) -> torch.dtype:
+    from rfkit.config.loading import dir_dtype
+
+    return dir_dtype(model_dir)
+
+
 def _original(converted_dir):
+    """The converted model's original, in the dtype the converted model was saved in."""
+    from rfkit.config.loading import DTYPE_NAMES
     from rfkit.conversion.convert import load_base_model
 
-    return load_base_model(HeadMap.load(converted_dir / "head_map.json").model).eval()
+    dtype = DTYPE_NAMES[_weight_dtype(converted_dir)]
+    return load_base_model(HeadMap.load(converted_dir / "head_map.json").model, dtype).eval()
 
 
 @pytest.mark.slow

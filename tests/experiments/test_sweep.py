@@ -9,6 +9,7 @@ import pytest
 from helpers import run_cli  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
 
 from rfkit.conversion import evaluations
+from rfkit.devices import native_bf16
 
 SMOLLM = "recipes/smollm2_b05.yaml"
 
@@ -119,10 +120,14 @@ def test_sweep_rejects_a_missing_recipe(tmp_path, capsys):
 @pytest.mark.slow
 def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
+    # the recipe's model.dtype auto: bf16 K/V where this CPU computes bf16, beside the Mamba block's
+    # float32 state, which then holds the bytes of twice the tokens (sink 4 + window 36, not 16)
+    recent = 36 if native_bf16("cpu")[0] else 16
+    sink_recent = f"sink_recent(sink=4,window={recent})"
     args = [
         "sweep", "--config", SMOLLM, "--betas", "0.5", "--output", str(out_dir), "--cache-length", "64",
         "--policies", "recipe,random(seed=1),layerwise",
-        "--operators", "mamba,sink_recent(sink=4,window=16),sliding_window(window=64)",
+        "--operators", f"mamba,{sink_recent},sliding_window(window=64)",
         "--transfer", "--model.transfer.steps", "2", "--model.transfer.samples", "4",
     ]  # fmt: skip
     code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
@@ -131,7 +136,7 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     rows = {(r["policy"], r["operator"]): r for r in result["rows"]}
     assert len(rows) == 9
     policies = ("RecencyRatioPolicy", "random(seed=1)", "layerwise")
-    operators = ("mamba", "sink_recent(sink=4,window=16)", "sliding_window(window=64)")
+    operators = ("mamba", sink_recent, "sliding_window(window=64)")
     assert sorted(rows) == sorted((p, o) for p in policies for o in operators)
     orig = result["original"]
     for (policy, operator), r in rows.items():
@@ -140,8 +145,8 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
         assert r["cache_bytes"] == orig["cache_bytes"] // 2 + r["state_bytes"]
         assert r["transferred"] == (operator == "mamba")  # window heads have no weights to fit
     for policy in policies:
-        # sink 4 + window 16 holds the Mamba block's bytes (plus an 8-byte token counter per layer)
-        mamba, sink = rows[(policy, "mamba")], rows[(policy, "sink_recent(sink=4,window=16)")]
+        # sink 4 + the recent window holds the Mamba block's bytes (plus an 8-byte token counter per layer)
+        mamba, sink = rows[(policy, "mamba")], rows[(policy, sink_recent)]
         converted_layers = 1 if policy == "layerwise" else 2
         assert sink["state_bytes"] == mamba["state_bytes"] + 8 * converted_layers
         # a window longer than the 32-token blocks is full attention: the original perplexity
