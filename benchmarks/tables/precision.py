@@ -64,3 +64,79 @@ def bf16_against_float32() -> str:
         f"| {mamba['ppl_converted']:.3f} | {mamba['ppl_ratio']:.3f} | {mamba['wall_seconds'] / 60:.1f} min |"
     )  # fmt: skip
     return "\n".join(lines)
+
+
+def _machine(data: dict) -> str:
+    return data["provenance"].get("machine") or "machine not recorded"
+
+
+@table("precision_auto_demo")
+def auto_demo() -> str:
+    """``make demo`` under ``model.dtype: auto`` (bf16 on a CPU with native bf16) against the float32
+    demo before it: quality on the validation blocks and on long documents, and the fit's time."""
+    fits = {"float32": load(f"{FOLDER}/demo_float32_summary.json"), "bf16": load("demo_smollm2_b05_screen/summary.json")}
+    contexts = {"float32": load("context_smollm2_b05_current/context.json"), "bf16": load("context_smollm2_b05_bf16/context.json")}
+    lengths = [str(n) for n in contexts["bf16"]["lengths"]]
+    keys = list(fits)
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(k) for k in keys) + " |"
+
+    def baseline(k: str) -> tuple[str, dict]:
+        return next((n, r) for n, r in contexts[k]["rows"].items() if n.startswith("sink_recent"))
+
+    def ratios(r: dict) -> str:
+        return " / ".join(f"{r['ppl_ratio'][n]:.3f}" for n in lengths)
+
+    def passkey(r: dict) -> str:
+        return " / ".join(f"{r['passkey'][n]:.2f}" for n in lengths)
+
+    span = " / ".join(f"{int(n):,}" for n in lengths)
+    lines = [
+        "| `rfkit fit --config recipes/smollm2_b05.yaml` | " + " | ".join(f"{k} ({fits[k]['provenance']['date'][:10]}; {_machine(fits[k])})" for k in keys) + " |",
+        "|---|---:|---:|",
+        row("perplexity, original / converted (validation blocks)", lambda k: f"{fits[k]['ppl_original']:.3f} / {fits[k]['ppl_converted']:.3f}"),
+        row("perplexity ratio", lambda k: f"{fits[k]['ppl_ratio']:.4f}"),
+        row(f"long documents, perplexity ratio at {span} tokens", lambda k: ratios(contexts[k]["rows"]["converted"])),
+        row(f"passkey at {span} tokens, original", lambda k: passkey(contexts[k]["rows"]["original"])),
+        row(f"passkey at {span} tokens, converted", lambda k: passkey(contexts[k]["rows"]["converted"])),
+        row("training-free baseline at the same bytes", lambda k: baseline(k)[0].removesuffix(", training-free")),
+        row(f"its long-document ratio at {span} tokens", lambda k: ratios(baseline(k)[1])),
+        row("KV cache bytes per token, original -> converted", lambda k: f"{fits[k]['cache_bytes_per_token_original']:,.0f} -> {fits[k]['cache_bytes_per_token_converted']:,.0f}"),
+        row("fit wall time (transfer / training)", lambda k: f"{fits[k]['wall_seconds'] / 60:.1f} min ({fits[k]['phases']['transfer'] / 60:.1f} / {fits[k]['phases']['train'] / 60:.1f} min)"),
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+@table("precision_auto_same_machine")
+def auto_same_machine() -> str:
+    """bf16 against float32 on one machine: a short fit's phases and steps (``fit_phases.py``) and
+    decode / prefill ratios to the original in the same dtype (``rfkit bench speed``)."""
+    phases = {k: load(f"{FOLDER}/phases_{k}.json") for k in ("float32", "bfloat16")}
+    speeds = {"float32": _speed(load("speed_bf16/converted_as_float32.json")), "bfloat16": _speed(load("speed_bf16/converted.json"))}
+    keys = list(phases)
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(k) for k in keys) + " |"
+
+    def step(k: str, n: str) -> str:
+        s = phases[k]["train"]["by_block_length"][n]
+        return f"{s['forward_s'] + s['backward_s']:.1f} s ({s['forward_s']:.1f} + {s['backward_s']:.1f})"
+
+    lines = [
+        "| one machine (" + _machine(load("speed_bf16/converted.json")) + ") | float32 | bf16 |",
+        "|---|---:|---:|",
+        row("short fit (6 transfer + 8 training steps): wall time", lambda k: f"{phases[k]['wall_s'] / 60:.1f} min"),
+        row("its perplexity ratio", lambda k: f"{phases[k]['ppl_ratio']:.4f}"),
+        row("measuring both models' perplexity", lambda k: f"{phases[k]['phases_s']['measure']:.0f} s"),
+        row("attention transfer: capture / training (6 steps)", lambda k: f"{phases[k]['transfer']['capture_s']:.0f} s / {phases[k]['transfer']['training_s']:.0f} s"),
+        row("training step, 4 x 512 tokens (forward + backward)", lambda k: step(k, "512")),
+        row("training step, 1 x 2,048 tokens (forward + backward)", lambda k: step(k, "2048")),
+    ]
+    for context in sorted(speeds["bfloat16"]):
+        for phase in ("decode", "prefill"):
+            lines.append(row(
+                f"{phase} at {context:,} tokens, original -> converted (same dtype)",
+                lambda k: f"{speeds[k][context][f'{phase}_tps_original']:.1f} -> {speeds[k][context][f'{phase}_tps_converted']:.1f} tok/s ({speeds[k][context][f'{phase}_ratio']:.2f}x)",
+            ))  # fmt: skip
+    return "\n".join(lines)
