@@ -30,18 +30,29 @@ def torch_device(name: str | None, flag: str = "--device") -> torch.device:
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (``flags`` on x86, ``Features`` on Arm); an empty
-    set where /proc/cpuinfo is not there (macOS, Windows)."""
+def _cpuinfo(keys: tuple[str, ...]) -> str:
+    """The value of the first line of Linux's /proc/cpuinfo whose key is one of ``keys``; empty
+    where there is none or the file is not there (macOS, Windows)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
+                if key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (``flags`` on x86, ``Features`` on Arm); an empty
+    set where /proc/cpuinfo is not there (macOS, Windows)."""
+    return set(_cpuinfo(("flags", "Features")).split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux gives it (``model name``); empty where it does not."""
+    return _cpuinfo(("model name",))
 
 
 def native_bf16(device_type: str) -> tuple[bool, str]:

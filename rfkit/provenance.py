@@ -91,19 +91,13 @@ def provenance(started: float | None = None, command: str | None = None, wall_se
 
 def machine() -> str:
     """The processor a result was measured on, in a few words: its model name, the threads torch
-    uses and its bf16 features (``amx_bf16``, ``avx512_bf16``; none listed: none), plus the GPU
+    uses and its bf16 features (:data:`rfkit.devices.BF16_CPU_FLAGS`; none listed: none), plus the GPU
     where CUDA is up. Never raises: what cannot be read is left out."""
     import platform
 
-    from rfkit.devices import cpu_flags
+    from rfkit.devices import BF16_CPU_FLAGS, cpu_flags, cpu_model
 
-    name = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    parts = [name or platform.processor() or platform.machine() or "unknown CPU"]
+    parts = [cpu_model() or platform.processor() or platform.machine() or "unknown CPU"]
     try:
         import torch
 
@@ -112,7 +106,7 @@ def machine() -> str:
             parts.append(torch.cuda.get_device_name(0))
     except Exception:  # noqa: BLE001 - a record, never a failure
         pass
-    parts += sorted(f for f in cpu_flags() if f in ("amx_bf16", "avx512_bf16"))
+    parts += sorted(set(BF16_CPU_FLAGS) & cpu_flags())
     return ", ".join(parts)
 
 

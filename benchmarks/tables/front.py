@@ -16,8 +16,8 @@ SPEED_BASELINE = "speed_bf16/sink_recent.json"
 LENGTHS = ("2048", "8192")
 
 
-def _baseline(rows: dict) -> tuple[str, dict]:
-    """The training-free row's operator, as ``sink_recent(4, 72)``, and the row."""
+def baseline_row(rows: dict) -> tuple[str, dict]:
+    """A context result's training-free row: its operator, as ``sink_recent(4, 72)``, and the row."""
     name, row = next((n, r) for n, r in rows.items() if n.startswith("sink_recent"))
     spec = name.removesuffix(", training-free")
     return spec.replace("sink=", "").replace("window=", "").replace(",", ", "), row
@@ -32,7 +32,7 @@ def _ratios(speed: dict, phase: str) -> str:
 def front_summary() -> str:
     demo = load(DEMO)
     context = load(CONTEXT)["rows"]
-    baseline_name, baseline = _baseline(load(BASELINE)["rows"])
+    baseline_name, baseline = baseline_row(load(BASELINE)["rows"])
     speed, speed_baseline = load(SPEED), load(SPEED_BASELINE)
     hybrid = context["converted"]
     original_bytes = int(demo["cache_bytes_per_token_original"])

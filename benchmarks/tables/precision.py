@@ -5,6 +5,7 @@ steps."""
 from __future__ import annotations
 
 from tables import load, table
+from tables.front import baseline_row
 
 FOLDER = "precision_smollm2_b05"
 
@@ -82,9 +83,6 @@ def auto_demo() -> str:
     def row(label: str, cell) -> str:
         return f"| {label} | " + " | ".join(cell(k) for k in keys) + " |"
 
-    def baseline(k: str) -> tuple[str, dict]:
-        return next((n, r) for n, r in contexts[k]["rows"].items() if n.startswith("sink_recent"))
-
     def ratios(r: dict) -> str:
         return " / ".join(f"{r['ppl_ratio'][n]:.3f}" for n in lengths)
 
@@ -100,8 +98,8 @@ def auto_demo() -> str:
         row(f"long documents, perplexity ratio at {span} tokens", lambda k: ratios(contexts[k]["rows"]["converted"])),
         row(f"passkey at {span} tokens, original", lambda k: passkey(contexts[k]["rows"]["original"])),
         row(f"passkey at {span} tokens, converted", lambda k: passkey(contexts[k]["rows"]["converted"])),
-        row("training-free baseline at the same bytes", lambda k: baseline(k)[0].removesuffix(", training-free")),
-        row(f"its long-document ratio at {span} tokens", lambda k: ratios(baseline(k)[1])),
+        row("training-free baseline at the same bytes", lambda k: baseline_row(contexts[k]["rows"])[0]),
+        row(f"its long-document ratio at {span} tokens", lambda k: ratios(baseline_row(contexts[k]["rows"])[1])),
         row("KV cache bytes per token, original -> converted", lambda k: f"{fits[k]['cache_bytes_per_token_original']:,.0f} -> {fits[k]['cache_bytes_per_token_converted']:,.0f}"),
         row("fit wall time (transfer / training)", lambda k: f"{fits[k]['wall_seconds'] / 60:.1f} min ({fits[k]['phases']['transfer'] / 60:.1f} / {fits[k]['phases']['train'] / 60:.1f} min)"),
     ]  # fmt: skip

@@ -124,10 +124,12 @@ def _models(args, loaded, head_map):
     if ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
         models.append(("converted, state off", loaded.model, True))
     if args.baseline_operator is not None:
-        from rfkit.conversion import registry
+        spec, operator = args.baseline.replace(" ", ""), args.baseline_operator
+        if operator == "matched":  # sized to this model's bytes, now that it is loaded
+            from rfkit.conversion import registry
 
-        spec = matched_baseline(loaded.model) if args.baseline_operator == "matched" else args.baseline.replace(" ", "")
-        operator = registry.operator(spec, "--baseline") if args.baseline_operator == "matched" else args.baseline_operator
+            spec = matched_baseline(loaded.model)
+            operator = registry.operator(spec, "--baseline")
         baseline, _ = pipeline.convert(copy.deepcopy(original), head_map, operator)
         baseline = baseline.to(args.torch_device).eval()
         models.append((f"{spec}, training-free", baseline, False))  # the spec as given or as sized
