@@ -31,9 +31,13 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/rfkit fit --config recipes/smollm2_b05.yaml
 
-# pytest exits 5 when it collects no test: treated as success here, as in .ci/run
+# pytest exits 5 when it collects no test: treated as success here, as in .ci/run.
+# One pytest-xdist worker per core (TEST_WORKERS=0 runs them in this process), a test file per
+# worker (module fixtures and subprocess ports stay together), one OpenMP thread each: the tests
+# are tiny, and two workers' thread pools fighting over the cores made some of them 3x slower.
+TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 gpu-carry: setup
 	$(BIN)/python benchmarks/gpu/carry.py --output .gpu-carry

@@ -144,8 +144,10 @@ def test_smollm2_folder_loads_without_rfkit_with_the_fits_perplexity(smollm2_run
     """The real fit's saved folder carries its code: in a process where ``import rfkit`` fails,
     transformers loads it with ``trust_remote_code=True`` and its perplexity on the fit's
     validation blocks (rebuilt from the saved recipe) is the one the fit reported: within 1e-4 in
-    float32, 2e-3 in bf16 (the recipe's model.dtype auto on a CPU with bf16), where the per-token
-    losses carry bf16's rounding (2^-8 relative) and the fit and the folder sum them in different orders."""
+    float32, 6e-3 in bf16 (the recipe's model.dtype auto on a CPU with bf16), where the per-token
+    losses carry bf16's rounding (2^-8 relative) and the fit and the folder sum them in different
+    orders over only 512 tokens (measured: 1.5e-3 with two threads, 3.7e-3 with one, as `make test`
+    runs each worker)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("rf_standalone", ROOT / "benchmarks" / "standalone_check.py")
@@ -158,5 +160,5 @@ def test_smollm2_folder_loads_without_rfkit_with_the_fits_perplexity(smollm2_run
     assert result["rfkit_import_error"] == "rfkit is blocked in this process"
     assert result["model_class"].endswith("modeling_rfkit.RecurFormerLlamaForCausalLM")
     assert result["validation_blocks"] == 4 and result["seq_len"] == 128
-    tolerance = 2e-3 if dir_dtype(smollm2_run / "model") == torch.bfloat16 else 1e-4
+    tolerance = 6e-3 if dir_dtype(smollm2_run / "model") == torch.bfloat16 else 1e-4
     assert result["relative_difference"] <= tolerance, result
