@@ -16,6 +16,7 @@ from __future__ import annotations
 #: implementation module -> the public alias module that re-exports its classes
 PUBLIC_MODULES = {
     "rfkit.conversion.policies": "rfkit.policies",
+    "rfkit.conversion.streamed_loss": "rfkit.policies",
     "rfkit.models.operators": "rfkit.operators",
 }
 

@@ -1,7 +1,8 @@
 """Head-selection policies, under the import path recipes and plugins name
 (``class_path: rfkit.policies.RecencyRatioPolicy``, ``from rfkit.policies import HeadSelectionPolicy``).
 
-The code lives in :mod:`rfkit.conversion.policies`; this module keeps the public path stable.
+The code lives in :mod:`rfkit.conversion.policies` (:class:`StreamedLossPolicy` in
+:mod:`rfkit.conversion.streamed_loss`); this module keeps the public path stable.
 """
 
 from rfkit.conversion.policies import (
@@ -15,6 +16,7 @@ from rfkit.conversion.policies import (
     units_to_heads,
 )
 from rfkit.conversion.profile import HeadProfile
+from rfkit.conversion.streamed_loss import StreamedLossPolicy
 from rfkit.models.layout import AttentionLayout
 
 __all__ = [
@@ -27,5 +29,6 @@ __all__ = [
     "PolicyError",
     "RandomHeads",
     "RecencyRatioPolicy",
+    "StreamedLossPolicy",
     "units_to_heads",
 ]

@@ -8,7 +8,10 @@ Schema (``head_map.json``):
 - profile (empty / null when the policy needed none): ``window``, ``alpha``,
   ``exclude_first_token``, ``seq_len``, ``samples``, ``rai`` (layers x query heads, ints),
   ``rr_mean`` (layers x query heads, floats), ``entropy_mean`` (layers x query heads, mean
-  normalised attention entropy in [0, 1]; empty in maps written before it was profiled);
+  normalised attention entropy in [0, 1]; empty in maps written before it was profiled),
+  ``measured`` (what a policy measured beyond the recency profile, or empty: for
+  :class:`rfkit.conversion.streamed_loss.StreamedLossPolicy` the loss increase of streaming each
+  unit alone, ``delta``, layers x units, with its settings and baseline loss);
 - provenance: ``policy`` (the policy's settings), ``data`` (the calibration data), ``rfkit_version``,
   ``created`` (UTC ISO time), ``model_fingerprint`` (of the model the map was made on:
   ``config_sha256``, the sha256 of its config's canonical JSON without volatile keys, and
@@ -141,6 +144,7 @@ class HeadMap:
     created: str | None = None
     source: dict | None = None
     entropy_mean: list[list[float]] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -169,6 +173,7 @@ class HeadMap:
             rai=profile.rai if profile else [],
             rr_mean=profile.rr_mean if profile else [],
             entropy_mean=list(getattr(profile, "entropy_mean", []) or []) if profile else [],
+            measured=dict((getattr(profile, "meta", None) or {}).get("measured", {})) if profile else {},
             selected=[list(s) for s in selected],
             policy=policy.describe(),
             data=data,

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 from rfkit.classpath import class_path
-from rfkit.conversion.profile import HeadProfile
+from rfkit.conversion.profile import HeadProfile, profile_heads
 from rfkit.errors import RFKitError
 from rfkit.models.layout import AttentionLayout
 from rfkit.validate import boolean, fraction, is_int, one_of, positive_int
@@ -54,8 +54,17 @@ class HeadSelectionPolicy(ABC):
         self.allow_all_heads = allow_all_heads
 
     def profile_settings(self) -> dict | None:
-        """Settings for profiling, or None when no profile is needed."""
+        """Settings for profiling, or None when no profile is needed. They also key the profile
+        cache, so a policy that measures something of its own puts its settings here."""
         return None
+
+    def make_profile(self, model, batches, progress: bool = True) -> HeadProfile:
+        """The profile :meth:`select` reads, measured on the calibration ``batches`` (dicts with
+        ``input_ids``) with the base ``model``: by default the recency profile
+        (:func:`~rfkit.conversion.profile.profile_heads`) with :meth:`profile_settings`. A policy
+        that measures something else overrides it and keeps its results in ``profile.meta``
+        (``meta["measured"]`` is copied into the head map)."""
+        return profile_heads(model, batches, progress=progress, **self.profile_settings())
 
     @abstractmethod
     def select(self, layout: AttentionLayout, profile: HeadProfile | None) -> Selection:

@@ -18,6 +18,7 @@ POLICY_ALIASES = {
     "recency": "rfkit.policies.RecencyRatioPolicy",
     "random": "rfkit.policies.RandomHeads",
     "layerwise": "rfkit.policies.LayerwisePolicy",
+    "streamed_loss": "rfkit.policies.StreamedLossPolicy",
     "explicit": "rfkit.policies.ExplicitHeads",
     "from_head_map": "rfkit.policies.FromHeadMap",
 }

@@ -17,6 +17,7 @@ from helpers import SMOLLM, run_cli, tiny_args, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import rfkit.conversion.convert
+import rfkit.conversion.policies
 import rfkit.training.module  # noqa: F401  (bound to rfkit.conversion.convert's functions before any test patches them)
 from rfkit.conversion.convert import build_head_map, fingerprint_model
 from rfkit.conversion.headmap import HeadMap, config_sha256, head_map_cache_path
@@ -52,7 +53,7 @@ def no_profiling(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a calibration profile was computed or loaded")
 
-    monkeypatch.setattr(rfkit.conversion.convert, "profile_heads", refuse)
+    monkeypatch.setattr(rfkit.conversion.policies, "profile_heads", refuse)  # what make_profile calls
     monkeypatch.setattr(rfkit.conversion.convert, "load_profile", refuse)
 
 
@@ -273,7 +274,7 @@ def test_profile_then_convert_from_the_map_without_profiling(tiny_model_dir, tin
     def refuse(*a, **k):
         raise AssertionError("a calibration profile was computed or loaded")
 
-    monkeypatch.setattr(rfkit.conversion.convert, "profile_heads", refuse)
+    monkeypatch.setattr(rfkit.conversion.policies, "profile_heads", refuse)  # what make_profile calls
     monkeypatch.setattr(rfkit.conversion.convert, "load_profile", refuse)
     sha = hashlib.sha256((made / "head_map.json").read_bytes()).hexdigest()
     ways = {"policy": policy_arg(made / "head_map.json"), "arg": ["--model.head_map", str(made / "head_map.json")]}

@@ -73,6 +73,11 @@ def test_every_builtin_class_is_named_by_its_public_module():
         assert all(path == public_path(path) for path in aliases.values())
     assert HybridOperator().to_dict()["class_path"] == "rfkit.operators.HybridOperator"
     assert RecencyRatioPolicy().describe()["class_path"] == "rfkit.policies.RecencyRatioPolicy"
+    # a policy with a module of its own is public under rfkit.policies too
+    from rfkit.conversion.streamed_loss import StreamedLossPolicy
+
+    assert StreamedLossPolicy().describe()["class_path"] == "rfkit.policies.StreamedLossPolicy"
+    assert importlib.import_module("rfkit.policies").StreamedLossPolicy is StreamedLossPolicy
 
 
 def test_a_head_map_with_the_old_spelling_loads_with_the_public_one(tmp_path):

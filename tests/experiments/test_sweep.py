@@ -126,7 +126,7 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     sink_recent = f"sink_recent(sink=4,window={recent})"
     args = [
         "sweep", "--config", SMOLLM, "--betas", "0.5", "--output", str(out_dir), "--cache-length", "64",
-        "--policies", "recipe,random(seed=1),layerwise",
+        "--policies", "recipe,random(seed=1),layerwise,streamed_loss(blocks=2)",
         "--operators", f"mamba,{sink_recent},sliding_window(window=64)",
         "--transfer", "--model.transfer.steps", "2", "--model.transfer.samples", "4",
     ]  # fmt: skip
@@ -134,8 +134,8 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = {(r["policy"], r["operator"]): r for r in result["rows"]}
-    assert len(rows) == 9
-    policies = ("RecencyRatioPolicy", "random(seed=1)", "layerwise")
+    assert len(rows) == 12
+    policies = ("RecencyRatioPolicy", "random(seed=1)", "layerwise", "streamed_loss(blocks=2)")
     operators = ("mamba", sink_recent, "sliding_window(window=64)")
     assert sorted(rows) == sorted((p, o) for p in policies for o in operators)
     orig = result["original"]
@@ -147,12 +147,16 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
     for policy in policies:
         # sink 4 + the recent window holds the Mamba block's bytes (plus an 8-byte token counter per layer)
         mamba, sink = rows[(policy, "mamba")], rows[(policy, sink_recent)]
-        converted_layers = 1 if policy == "layerwise" else 2
+        tag = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in policy).strip("_")  # the row's folder
+        selected = json.loads((out_dir / f"{tag}__mamba__beta_0.5" / "head_map.json").read_text())["selected"]
+        converted_layers = sum(1 for heads in selected if heads)
         assert sink["state_bytes"] == mamba["state_bytes"] + 8 * converted_layers
         # a window longer than the 32-token blocks is full attention: the original perplexity
         assert abs(rows[(policy, "sliding_window(window=64)")]["ppl_ratio"] - 1.0) < 1e-4
     layerwise = json.loads((out_dir / "layerwise__mamba__beta_0.5" / "head_map.json").read_text())["selected"]
     assert layerwise == [[], [0, 1, 2, 3]]  # a whole layer, layer 0 kept
+    measured = json.loads((out_dir / "streamed_loss_blocks_2__mamba__beta_0.5" / "head_map.json").read_text())["measured"]
+    assert measured["name"] == "streamed_loss" and measured["blocks"] == 2 and len(measured["delta"]) == 2
     table = (out_dir / "sweep.md").read_text()
     assert "| layerwise | sliding_window(window=64) | 0.5 | 4/8 | 50.0% |" in table
     assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -69,6 +69,7 @@ def _profile_worker(rank: int, world: int, port: int, out: str, caches: list[str
         from helpers import tiny_model
 
         import rfkit.conversion.convert
+        import rfkit.conversion.policies
         from rfkit.conversion.policies import RecencyRatioPolicy
 
         model = tiny_model()
@@ -76,8 +77,8 @@ def _profile_worker(rank: int, world: int, port: int, out: str, caches: list[str
 
         # profile_for: the ranks agree on reusing the cache; only rank 0 writes it
         calls = []
-        real = rfkit.conversion.convert.profile_heads
-        rfkit.conversion.convert.profile_heads = lambda *a, **k: calls.append(1) or real(*a, **k)
+        real = rfkit.conversion.policies.profile_heads  # what RecencyRatioPolicy.make_profile calls
+        rfkit.conversion.policies.profile_heads = lambda *a, **k: calls.append(1) or real(*a, **k)
         os.environ["RFKIT_CACHE"] = caches[rank]  # a cache per rank, as on nodes without shared storage
         policy = RecencyRatioPolicy(**POLICY)
         data = StubData(5)

@@ -1,0 +1,292 @@
+"""Head selection by measured loss: stream one unit at a time and keep the units that cost most.
+
+The recency ratio (:class:`~rfkit.conversion.policies.RecencyRatioPolicy`) asks how local a
+head *looks*. When few heads stay exact (beta 0.75 and above), the question that matters is what
+the model *loses* when a head stops seeing the whole sequence. :class:`StreamedLossPolicy` asks
+it directly: for every unit (a KV group, or a query head) it measures the model's next-token
+loss on calibration blocks with that unit alone restricted to a sink + recent window (the
+training-free streaming head of DuoAttention and StreamingLLM, the exact part of rfkit's hybrid),
+every other head untouched, and replaces the units whose streaming costs least.
+
+For unit ``u`` of layer ``l``::
+
+    delta_u = loss(model with u streamed) - loss(model)        (mean over the same tokens)
+
+The measurement swaps in an attention function (registered with transformers'
+``AttentionInterface``, as profiling does) that runs every layer with causal SDPA and gives the
+probed heads of layer ``l`` the mask ``j <= i and (j < sink or i - j < recent)``, the mask of
+``SinkRecentOperator(sink, window=recent)``. The layers before ``l`` are not run again for each
+unit: their outputs on the original model are kept from the first pass and replayed, so one unit
+costs the layers from ``l`` on (about half a forward on average). Memory: the outputs of every
+layer for the measured blocks (``blocks x seq_len x hidden x layers`` in the model's dtype; 140 MB
+for SmolLM2-135M at 8 x 512 tokens, about 1 GB for a 7B model).
+
+The deltas are first-order: each unit is streamed alone, so interactions between units are not
+measured (DuoAttention trains gates jointly for that). The policy also profiles the recency
+ratio with the same calibration data, so the head map holds both rankings side by side
+(``rr_mean``, ``rai`` and ``measured.delta``) and the two policies can be compared head by head.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
+from rfkit.conversion.profile import HeadProfile, capture_attention, profile_heads
+from rfkit.models.layout import AttentionLayout
+from rfkit.validate import positive_int
+
+log = logging.getLogger(__name__)
+
+STREAM_ATTENTION = "rfkit_streamed_probe"
+MEASURE = "streamed_loss"
+
+
+def streaming_mask(length: int, sink: int, recent: int, device=None) -> torch.Tensor:
+    """(L, L) boolean: query ``i`` sees key ``j`` when ``j <= i`` and (``j < sink`` or
+    ``i - j < recent``): the first ``sink`` tokens and the last ``recent`` ones, itself included."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    return (j <= i) & ((j < sink) | (i - j < recent))
+
+
+class _StreamProbe:
+    """Causal attention everywhere, except the probed query heads of the probed layer, which see
+    a sink + recent window only (the collector :func:`capture_attention` hands every layer to)."""
+
+    def __init__(self, sink: int, recent: int):
+        self.sink, self.recent = sink, recent
+        self.layer: int | None = None
+        self.heads: list[int] = []
+
+    def attend(self, module, query, key, value, scaling: float):
+        heads, kv_heads, length = query.shape[1], key.shape[1], query.shape[2]
+        if kv_heads != heads:
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        if module.layer_idx != self.layer or not self.heads:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        else:
+            mask = torch.ones(heads, length, length, dtype=torch.bool, device=query.device).tril()
+            mask[self.heads] = streaming_mask(length, self.sink, self.recent, query.device)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None], scale=scaling)
+        return out.transpose(1, 2).contiguous()
+
+
+class _Replay(torch.nn.Module):
+    """Stands in for a decoder layer already run: returns that layer's recorded output."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _token_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``ids`` (B, L) under ``model``, in float32 (float64
+    for a float64 model)."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+@torch.no_grad()
+def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: int, recent: int, progress: bool = True):
+    """Mean next-token loss of ``model`` on ``batches`` (dicts with ``input_ids`` (B, L)), and
+    for every unit ``(layer, query heads)`` the mean loss with those heads alone streamed.
+
+    Returns ``(baseline, [loss per unit], tokens)``.
+    """
+    from rfkit.models.modeling import decoder_layers
+
+    layers = decoder_layers(model)
+    device = next(model.parameters()).device
+    probe = _StreamProbe(sink, recent)
+    ids_list = [b["input_ids"].to(device) for b in batches]
+    tokens = sum(ids.shape[0] * (ids.shape[1] - 1) for ids in ids_list)
+    was_training = model.training
+    model.eval()
+    outputs: list[list] = [[None] * len(layers) for _ in ids_list]  # per batch, per layer
+    hooks = []
+    current = {"batch": 0}
+
+    def keep(index):
+        def hook(_module, _args, output):
+            outputs[current["batch"]][index] = output
+
+        return hook
+
+    losses = []
+    try:
+        with capture_attention(model, probe, STREAM_ATTENTION, "rfkit streamed-loss attention called outside a measurement"):
+            hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+            base = 0.0
+            for b, ids in enumerate(ids_list):
+                current["batch"] = b
+                base += float(_token_loss(model, ids))
+            for h in hooks:
+                h.remove()
+            hooks = []
+            bar = tqdm(units, desc="streaming each unit", unit="unit", disable=not progress)
+            for layer, heads in bar:
+                probe.layer, probe.heads = layer, list(heads)
+                total = 0.0
+                for b, ids in enumerate(ids_list):
+                    originals = [layers[i] for i in range(layer)]
+                    for i in range(layer):
+                        layers[i] = _Replay(outputs[b][i])
+                    try:
+                        total += float(_token_loss(model, ids))
+                    finally:
+                        for i, original in enumerate(originals):
+                            layers[i] = original
+                losses.append(total / tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+        probe.layer, probe.heads = None, []
+        model.train(was_training)
+    return base / tokens, losses, tokens
+
+
+class StreamedLossPolicy(RecencyRatioPolicy):
+    """Replace the units whose streaming alone costs the model the least loss.
+
+    Every unit (KV group or query head) is restricted in turn to a sink + recent window on
+    ``blocks`` calibration blocks, every other head untouched, and the increase in next-token
+    loss is measured (:func:`streamed_losses`). The ``beta`` fraction of units with the smallest
+    increase is replaced. The recency profile is collected too (``window``, ``alpha``,
+    ``exclude_first_token`` as in :class:`RecencyRatioPolicy`), so the head map holds both
+    rankings; RA-I breaks exact ties.
+
+    Args:
+        sink: First tokens the probed heads keep (default 4).
+        recent: Last tokens the probed heads keep, the current one included (default 64: the
+            bytes of rfkit's default hybrid state, see ``rfkit eval context --baseline matched``).
+        blocks: Calibration blocks the loss is measured on (the first ones of the calibration
+            set; all of them when fewer). Cost: one pass over them per unit, from the unit's
+            layer on.
+        window, alpha, beta, exclude_first_token, granularity, scope, keep_layers,
+        allow_all_heads: as in :class:`RecencyRatioPolicy`.
+    """
+
+    def __init__(
+        self,
+        sink: int = 4,
+        recent: int = 64,
+        blocks: int = 8,
+        window: int = 51,
+        alpha: float = 0.5,
+        beta: float = 0.5,
+        exclude_first_token: bool = True,
+        granularity: Literal["kv_group", "query_head"] = "kv_group",
+        scope: Literal["global", "per_layer"] = "global",
+        keep_layers: list[int] | None = None,
+        allow_all_heads: bool = False,
+    ):
+        super().__init__(window, alpha, beta, exclude_first_token, granularity, scope, keep_layers, allow_all_heads)
+        positive_int("model.policy.sink", sink, 0, error=PolicyError, message="{field}: {value!r} is not allowed; sink must be an integer >= {minimum}")
+        positive_int("model.policy.recent", recent, error=PolicyError, message="{field}: {value!r} is not allowed; recent must be an integer >= {minimum}")
+        positive_int("model.policy.blocks", blocks, error=PolicyError, message="{field}: {value!r} is not allowed; blocks must be an integer >= {minimum}")
+        self.sink, self.recent, self.blocks = int(sink), int(recent), int(blocks)
+
+    def profile_settings(self) -> dict:
+        return {
+            **super().profile_settings(),
+            "measure": MEASURE,
+            "sink": self.sink,
+            "recent": self.recent,
+            "blocks": self.blocks,
+            "granularity": self.granularity,
+        }
+
+    def make_profile(self, model, batches, progress: bool = True) -> HeadProfile:
+        batches = list(batches)
+        rr = super().profile_settings()
+        profile = profile_heads(model, batches, progress=progress, **rr)
+        layout = AttentionLayout.from_config(model.config)
+        measured, total = [], 0
+        for batch in batches:  # the first `blocks` blocks, cut inside a batch when needed
+            if total >= self.blocks:
+                break
+            ids = batch["input_ids"][: self.blocks - total]
+            measured.append({"input_ids": ids})
+            total += ids.shape[0]
+        per_layer = layout.num_kv_heads if self.granularity == "kv_group" else layout.num_heads
+        units = [
+            (layer, layout.query_heads_of(u) if self.granularity == "kv_group" else [u])
+            for layer in range(layout.num_layers)
+            for u in range(per_layer)
+        ]
+        base, losses, tokens = streamed_losses(model, measured, units, self.sink, self.recent, progress)
+        delta = [[0.0] * per_layer for _ in range(layout.num_layers)]
+        for (layer, heads), loss in zip(units, losses):
+            unit = layout.kv_head_of(heads[0]) if self.granularity == "kv_group" else heads[0]
+            delta[layer][unit] = round(loss - base, 7)
+        profile.meta = {**profile.meta, "measured": {
+            "name": MEASURE,
+            "what": "increase of mean next-token loss (nats) when the unit alone keeps only its sink + recent tokens",
+            "granularity": self.granularity,
+            "sink": self.sink,
+            "recent": self.recent,
+            "blocks": total,
+            "tokens": tokens,
+            "baseline_loss": round(base, 7),
+            "delta": delta,
+        }}  # fmt: skip
+        return profile
+
+    def unit_scores(self, layout: AttentionLayout, profile: HeadProfile) -> dict[tuple[int, int], tuple[float, float]]:
+        delta = measured_delta(profile)
+        recency = super().unit_scores(layout, profile)
+        # highest score replaced first: the smallest loss increase, then the most recency-aware
+        return {key: (-delta[key[0]][key[1]], recency[key][0]) for key in recency}
+
+
+def measured_delta(profile) -> list[list[float]]:
+    """The per-unit loss increases a :class:`StreamedLossPolicy` measured, from its profile
+    (``meta["measured"]``) or from a head map it made (``measured``)."""
+    measured = getattr(profile, "measured", None) or (getattr(profile, "meta", None) or {}).get("measured")
+    if not measured or measured.get("name") != MEASURE:
+        raise PolicyError("StreamedLossPolicy needs a profile with its measured losses (made by its own make_profile)")
+    return measured["delta"]
+
+
+def disagreement(layout: AttentionLayout, profile, beta: float) -> dict:
+    """Where the recency ranking and the measured-loss ranking part at ``beta`` (KV groups, one
+    global ranking): the groups each replaces that the other keeps, with their RA-I, mean RR and
+    loss increase. ``profile`` is a :class:`StreamedLossPolicy` profile or a head map it made
+    (both hold the recency profile and the measured losses)."""
+    settings = {"window": profile.window, "alpha": profile.alpha, "beta": beta, "exclude_first_token": profile.exclude_first_token}
+    by_loss = _groups(layout, StreamedLossPolicy(**settings).select(layout, profile))
+    by_rr = _groups(layout, RecencyRatioPolicy(**settings).select(layout, profile))
+    scores = RecencyRatioPolicy(**settings).unit_scores(layout, profile)
+    delta = measured_delta(profile)
+
+    def row(key):
+        return {"layer": key[0], "group": key[1], "rai": scores[key][0], "rr_mean": round(scores[key][1], 4), "delta": delta[key[0]][key[1]]}
+
+    return {
+        "beta": beta,
+        "replaced": len(by_loss),
+        "agree": len(by_loss & by_rr),
+        "only_streamed_loss": [row(k) for k in sorted(by_loss - by_rr)],
+        "only_recency": [row(k) for k in sorted(by_rr - by_loss)],
+    }
+
+
+def _groups(layout: AttentionLayout, selected) -> set[tuple[int, int]]:
+    """The (layer, KV group) pairs a selection replaces whole."""
+    return {
+        (layer, g)
+        for layer, heads in enumerate(selected)
+        for g in range(layout.num_kv_heads)
+        if set(layout.query_heads_of(g)) <= set(heads)
+    }
