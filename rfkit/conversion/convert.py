@@ -105,7 +105,7 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     if found:
         log.info("reusing head profile %s", path)
         return load_profile(path), data_info
-    profile = policy.make_profile(model, datamodule.calibration_dataloader(), progress=progress)
+    profile = policy.make_profile(model, datamodule.calibration_dataloader(), progress=progress, datamodule=datamodule)
     if rank == 0:
         save_profile(profile, path)
     return profile, data_info

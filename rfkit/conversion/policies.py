@@ -58,12 +58,14 @@ class HeadSelectionPolicy(ABC):
         cache, so a policy that measures something of its own puts its settings here."""
         return None
 
-    def make_profile(self, model, batches, progress: bool = True) -> HeadProfile:
+    def make_profile(self, model, batches, progress: bool = True, datamodule=None) -> HeadProfile:
         """The profile :meth:`select` reads, measured on the calibration ``batches`` (dicts with
         ``input_ids``) with the base ``model``: by default the recency profile
         (:func:`~rfkit.conversion.profile.profile_heads`) with :meth:`profile_settings`. A policy
         that measures something else overrides it and keeps its results in ``profile.meta``
-        (``meta["measured"]`` is copied into the head map)."""
+        (``meta["measured"]`` is copied into the head map). ``datamodule`` (the recipe's
+        :class:`~rfkit.data.TextDataModule`, when there is one) gives other data in the model's
+        tokenisation: ``datamodule.other_train_blocks(source, seq_len, field)``."""
         return profile_heads(model, batches, progress=progress, **self.profile_settings())
 
     @abstractmethod

@@ -170,9 +170,14 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         sink: First tokens the probed heads keep (default 4).
         recent: Last tokens the probed heads keep, the current one included (default 64: the
             bytes of rfkit's default hybrid state, see ``rfkit eval context --baseline matched``).
-        blocks: Calibration blocks the loss is measured on (the first ones of the calibration
-            set; all of them when fewer). Cost: one pass over them per unit, from the unit's
-            layer on.
+        blocks: Blocks the loss is measured on: the first ones of the calibration set (all of
+            them when fewer), or with ``long_source`` that many blocks spread evenly over its
+            train split. Cost: one pass over them per unit, from the unit's layer on.
+        long_source: Measure on long documents instead (a data source such as
+            ``embedded:shakespeare``, read in the recipe's tokenisation, train split): a head
+            that averages over the whole context can be streamed for free in a 512-token block
+            and still be needed at 8k. None (default): the calibration blocks.
+        long_seq_len: Tokens per block of ``long_source``.
         window, alpha, beta, exclude_first_token, granularity, scope, keep_layers,
         allow_all_heads: as in :class:`RecencyRatioPolicy`.
     """
@@ -182,6 +187,8 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         sink: int = 4,
         recent: int = 64,
         blocks: int = 8,
+        long_source: str | None = None,
+        long_seq_len: int = 2048,
         window: int = 51,
         alpha: float = 0.5,
         beta: float = 0.5,
@@ -195,7 +202,11 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         positive_int("model.policy.sink", sink, 0, error=PolicyError, message="{field}: {value!r} is not allowed; sink must be an integer >= {minimum}")
         positive_int("model.policy.recent", recent, error=PolicyError, message="{field}: {value!r} is not allowed; recent must be an integer >= {minimum}")
         positive_int("model.policy.blocks", blocks, error=PolicyError, message="{field}: {value!r} is not allowed; blocks must be an integer >= {minimum}")
+        positive_int("model.policy.long_seq_len", long_seq_len, 2, error=PolicyError, message="{field}: {value!r} is not allowed; long_seq_len must be an integer >= {minimum}")
+        if long_source is not None and (not isinstance(long_source, str) or not long_source.strip()):
+            raise PolicyError(f"model.policy.long_source: {long_source!r} is not allowed; give a data source (a path, URL or embedded:NAME) or null")
         self.sink, self.recent, self.blocks = int(sink), int(recent), int(blocks)
+        self.long_source, self.long_seq_len = long_source, int(long_seq_len)
 
     def profile_settings(self) -> dict:
         return {
@@ -205,20 +216,16 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             "recent": self.recent,
             "blocks": self.blocks,
             "granularity": self.granularity,
+            **({"long_source": self.long_source, "long_seq_len": self.long_seq_len} if self.long_source else {}),
         }
 
-    def make_profile(self, model, batches, progress: bool = True) -> HeadProfile:
+    def make_profile(self, model, batches, progress: bool = True, datamodule=None) -> HeadProfile:
         batches = list(batches)
         rr = super().profile_settings()
         profile = profile_heads(model, batches, progress=progress, **rr)
         layout = AttentionLayout.from_config(model.config)
-        measured, total = [], 0
-        for batch in batches:  # the first `blocks` blocks, cut inside a batch when needed
-            if total >= self.blocks:
-                break
-            ids = batch["input_ids"][: self.blocks - total]
-            measured.append({"input_ids": ids})
-            total += ids.shape[0]
+        measured = self._measured_batches(batches, datamodule)
+        total = sum(b["input_ids"].shape[0] for b in measured)
         per_layer = layout.num_kv_heads if self.granularity == "kv_group" else layout.num_heads
         units = [
             (layer, layout.query_heads_of(u) if self.granularity == "kv_group" else [u])
@@ -236,12 +243,32 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             "granularity": self.granularity,
             "sink": self.sink,
             "recent": self.recent,
+            "source": self.long_source or "calibration",
+            "seq_len": int(measured[0]["input_ids"].shape[1]),
             "blocks": total,
             "tokens": tokens,
             "baseline_loss": round(base, 7),
             "delta": delta,
         }}  # fmt: skip
         return profile
+
+    def _measured_batches(self, batches: list, datamodule) -> list[dict]:
+        """The blocks the loss is measured on: the first ``blocks`` calibration blocks, or
+        ``blocks`` long blocks spread evenly over ``long_source``'s train split (one per batch)."""
+        if self.long_source is None:
+            out, total = [], 0
+            for batch in batches:  # cut inside a batch when needed
+                if total >= self.blocks:
+                    break
+                ids = batch["input_ids"][: self.blocks - total]
+                out.append({"input_ids": ids})
+                total += ids.shape[0]
+            return out
+        if datamodule is None:
+            raise PolicyError("model.policy.long_source: reading long blocks needs the recipe's data section (its tokeniser)")
+        blocks = datamodule.other_train_blocks(self.long_source, self.long_seq_len, "model.policy.")
+        picks = torch.linspace(0, len(blocks) - 1, min(self.blocks, len(blocks))).round().long().unique()
+        return [{"input_ids": blocks[i : i + 1]} for i in picks.tolist()]
 
     def unit_scores(self, layout: AttentionLayout, profile: HeadProfile) -> dict[tuple[int, int], tuple[float, float]]:
         delta = measured_delta(profile)

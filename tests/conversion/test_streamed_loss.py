@@ -102,7 +102,12 @@ def test_a_profile_without_measured_losses_is_refused_in_one_line():
         StreamedLossPolicy(window=4).select(AttentionLayout.from_config(model.config), profile)
 
 
-@pytest.mark.parametrize("field,value", [("sink", -1), ("recent", 0), ("blocks", 0)])
+def test_long_blocks_need_the_recipes_data_section():
+    with pytest.raises(PolicyError, match="model.policy.long_source: reading long blocks needs the recipe's data section"):
+        StreamedLossPolicy(window=4, long_source="embedded:shakespeare").make_profile(tiny_model(), _batches(), progress=False)
+
+
+@pytest.mark.parametrize("field,value", [("sink", -1), ("recent", 0), ("blocks", 0), ("long_seq_len", 1)])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(PolicyError, match=f"model.policy.{field}: {value}"):
         StreamedLossPolicy(**{field: value})
@@ -117,6 +122,9 @@ def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_
         "--model.policy.init_args.sink", "2",
         "--model.policy.init_args.recent", "8",
         "--model.policy.init_args.blocks", "2",
+        # measured on long blocks of another source's train split (here the tiny corpus, 64 tokens)
+        "--model.policy.init_args.long_source", str(tiny_corpus),
+        "--model.policy.init_args.long_seq_len", "64",
         "--output", str(out),
     ]  # fmt: skip
     code, _out, err = run_cli(args, capsys)
@@ -125,6 +133,7 @@ def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_
     assert head_map["policy"]["class_path"] == "rfkit.policies.StreamedLossPolicy"
     measured = head_map["measured"]
     assert measured["name"] == "streamed_loss" and measured["blocks"] == 2 and measured["recent"] == 8
+    assert measured["source"] == str(tiny_corpus) and measured["seq_len"] == 64 and measured["tokens"] == 2 * 63
     assert len(measured["delta"]) == 2 and sum(len(s) for s in head_map["selected"]) == 4
 
 
