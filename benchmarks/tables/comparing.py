@@ -20,3 +20,43 @@ def operators() -> str:
         ]
         lines.append(f"| {policy} | {operator} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _long_cells(row: dict, lengths: list[str]) -> list[str]:
+    ratios = row.get("long_ppl_ratio") or {}
+    return [f"{ratios[k]:.3f}" if k in ratios else "-" for k in lengths]
+
+
+@table("comparing_policies")
+def policies() -> str:
+    """The recency ranking against the measured-loss ranking, same operator and bytes, by beta."""
+    sweep = load("policies_smollm2/sweep.json")
+    lengths = sorted({k for r in sweep["rows"] for k in (r.get("long_ppl_ratio") or {})}, key=lambda k: int(k.rsplit("@", 1)[1]))
+    head = "| beta | policy | KV groups replaced | cache bytes/token | Wikipedia 512 | " + " | ".join(
+        f"long documents {int(k.rsplit('@', 1)[1]):,}" for k in lengths
+    ) + " |"
+    lines = [head, "|---:|---|---:|---:|---:|" + "---:|" * len(lengths)]
+    names = {"RecencyRatioPolicy": "recency ratio (RA-I)", "streamed_loss": "measured streaming loss"}
+    for r in sorted(sweep["rows"], key=lambda r: (r["beta"], r["policy"] != "RecencyRatioPolicy")):
+        groups = r["replaced_heads"] // 3  # SmolLM2: 3 query heads per KV group
+        lines.append(
+            f"| {r['beta']:g} | {names.get(r['policy'], r['policy'])} | {groups} of 90 | {r['cache_bytes_per_token']:,.0f} | "
+            f"{r['ppl_ratio']:.3f} | " + " | ".join(_long_cells(r, lengths)) + " |"
+        )
+    return "\n".join(lines)
+
+
+@table("comparing_policy_disagreement")
+def policy_disagreement() -> str:
+    """Where the two rankings part (benchmarks/policy_disagreement.py on the sweep's beta 0.75 map)."""
+    d = load("policies_smollm2/disagreement.json")
+    lines = [
+        "| beta | KV groups replaced | chosen by both | only by measured loss | only by recency | extra loss of the recency choice (nats, first order) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["betas"]:
+        lines.append(
+            f"| {r['beta']:g} | {r['replaced']} | {r['agree']} | {len(r['only_streamed_loss'])} | {len(r['only_recency'])} | "
+            f"{r['extra_loss_of_recency_choice']:.4f} |"
+        )
+    return "\n".join(lines)
