@@ -61,3 +61,64 @@ def demo_precision(demo: dict) -> str:
     """``bf16`` or ``float32``: the weights the demo's fit trained and saved."""
     return "bf16" if str(demo.get("precision", "")).startswith("bf16") else "float32"
 
+
+
+# beta 0.75: the default recipe with each ranking, trained, against the same rankings training-free
+# (one sweep measures all of them on the same blocks); the fits' own summaries give their wall time
+B075_SWEEP = "trained_smollm2_b075/sweep.json"
+B075_FITS = {"RecencyRatioPolicy": "fit_smollm2_b075_rr/summary.json", "StreamedLossPolicy": "fit_smollm2_b075_sl/summary.json"}
+B075_SPEED = "speed_bf16/converted_b075.json"
+B075_PASSKEY = {"RecencyRatioPolicy": "passkey_smollm2_b075_rr.json", "StreamedLossPolicy": "passkey_smollm2_b075_sl.json"}
+B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
+_POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
+
+
+@table("front_b075")
+def front_b075() -> str:
+    sweep = load(B075_SWEEP)
+    rows = sweep["rows"]
+    trained = {r["policy"]: r for r in rows if r.get("trained") and not r["operator"].endswith("state off")}
+    state_off = {r["policy"]: r for r in rows if r.get("trained") and r["operator"].endswith("state off")}
+    free = {r["policy"]: r for r in rows if not r.get("trained")}
+    order_t = [p for p in ("RecencyRatioPolicy", "StreamedLossPolicy") if p in trained]
+    order_f = [p for p in ("RecencyRatioPolicy", "streamed_loss") if p in free]
+    original = sweep["original"]
+    fits = {p: load(B075_FITS[p]) for p in order_t}
+    speed = load(B075_SPEED)
+    passkey = {p: load(B075_PASSKEY[p]) for p in order_t}
+    passkey_original = load(B075_PASSKEY_ORIGINAL)
+    free_name = next(iter(free.values()))["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
+
+    def lengths(row: dict) -> str:
+        ratios = row["long_ppl_ratio"]
+        return " / ".join(f"{ratios[k]:.3f}" for k in sorted(ratios, key=lambda k: int(k.rsplit("@", 1)[1])))
+
+    def kv(row: dict) -> str:
+        return f"{int(row['kv_bytes_per_token']):,} ({row['kv_bytes_per_token'] / original['kv_bytes_per_token']:.3f})"
+
+    def keys(result: dict) -> str:
+        return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
+
+    cols_t, cols_f = [trained[p] for p in order_t], [free[p] for p in order_f]
+    header = ["original"] + [f"trained hybrid, {_POLICY[p]} ranking" for p in order_t] + [f"{free_name}, training-free, {_POLICY[p]} ranking" for p in order_f]
+    n_f = len(cols_f)
+    speed_by = {str(r["context"]): r for r in speed["rows"]}
+    speed_col = "measured loss" if "StreamedLossPolicy" in order_t else None
+
+    def speed_cells(phase: str) -> list[str]:
+        value = " / ".join(f"{speed_by[n][f'{phase}_ratio']:.2f}x" for n in LENGTHS)
+        return [value if _POLICY[p] == speed_col else "-" for p in order_t]
+
+    lines = [
+        "| SmolLM2-135M, beta 0.75, 2-core CPU, bf16 | " + " | ".join(header) + " |",
+        "|---|" + "---:|" * len(header),
+        f"| KV cache bytes per token | {int(original['kv_bytes_per_token']):,} | " + " | ".join(kv(r) for r in cols_t + cols_f) + " |",
+        "| perplexity ratio, Wikipedia, 512-token blocks | 1.000 | " + " | ".join(f"{r['ppl_ratio']:.3f}" for r in cols_t + cols_f) + " |",
+        "| perplexity ratio, long documents, 2,048 / 8,192 tokens | 1.000 / 1.000 | " + " | ".join(lengths(r) for r in cols_t + cols_f) + " |",
+        "| the same with the state off | - | " + " | ".join(lengths(state_off[p]) for p in order_t) + " | -" * n_f + " |",
+        f"| passkey, 1,024 / 2,048 / 4,096 tokens | {keys(passkey_original)} | " + " | ".join(keys(passkey[p]) for p in order_t) + " | -" * n_f + " |",
+        "| decode speed, 2,048 / 8,192 tokens, batch 1 | 1 / 1 | " + " | ".join(speed_cells("decode")) + " | -" * n_f + " |",
+        "| prefill speed, 2,048 / 8,192 tokens | 1 / 1 | " + " | ".join(speed_cells("prefill")) + " | -" * n_f + " |",
+        "| the whole fit on the 2-core CPU | - | " + " | ".join(f"{fits[p]['wall_seconds'] / 60:.1f} min" for p in order_t) + " | none" * n_f + " |",
+    ]
+    return "\n".join(lines)
