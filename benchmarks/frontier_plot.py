@@ -6,7 +6,7 @@ Each ``rfkit sweep`` result (run with ``--long``) gives points: its rows (policy
 trained models and their state-off twins included), at their cache ratio (cache bytes per token
 after the sweep's ``--cache-length`` tokens, over the original's) and their perplexity ratio on
 the long documents of ``--length`` tokens. Points of the same policy and operator across betas
-are joined. Sweeps must measure the same long documents (source, lengths and blocks), or their
+are joined; a row that a later file measures again (same label and beta) is taken from the first. Sweeps must measure the same long documents (source, lengths and blocks), or their
 ratios are not comparable: the script refuses to mix them.
 
 Writes ``frontier.png`` and ``frontier.json`` (every point, its source file, and provenance) into
@@ -48,6 +48,8 @@ def points(paths: list[Path], length: int) -> tuple[list[dict], dict]:
             ratio = next((v for k, v in (row.get("long_ppl_ratio") or {}).items() if k.endswith(key)), None)
             if ratio is None or row.get("cache_ratio") is None:
                 continue
+            if any(p["label"] == _label(row) and p["beta"] == row["beta"] for p in out):
+                continue  # the same row measured again by a later sweep (the first file's is kept)
             out.append({"label": _label(row), "beta": row["beta"], "cache_ratio": row["cache_ratio"], "ppl_ratio": ratio,
                         "wikipedia_ratio": row.get("ppl_ratio"), "source": str(path)})  # fmt: skip
     return out, shared
@@ -55,7 +57,7 @@ def points(paths: list[Path], length: int) -> tuple[list[dict], dict]:
 
 def plot(pts: list[dict], length: int, path: Path) -> Path:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5))  # the legend goes to the right, outside the axes
     ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="original", zorder=3)
     by_label: dict[str, list[dict]] = {}
     for p in pts:
@@ -70,7 +72,7 @@ def plot(pts: list[dict], length: int, path: Path) -> Path:
     ax.set_ylabel(f"perplexity ratio, long documents of {length:,} tokens")
     ax.set_title("Frontier: cache against long-document perplexity (labels: beta)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return save_figure(fig, path)
 
 

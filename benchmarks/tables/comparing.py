@@ -31,16 +31,21 @@ def _long_cells(row: dict, lengths: list[str]) -> list[str]:
 def policies() -> str:
     """The recency ranking against the measured-loss ranking, same operator and bytes, by beta."""
     sweep = load("policies_smollm2/sweep.json")
-    lengths = sorted({k for r in sweep["rows"] for k in (r.get("long_ppl_ratio") or {})}, key=lambda k: int(k.rsplit("@", 1)[1]))
+    rows = sweep["rows"] + load("policies_smollm2_long/sweep.json")["rows"]  # the same blocks, measured on long documents
+    lengths = sorted({k for r in rows for k in (r.get("long_ppl_ratio") or {})}, key=lambda k: int(k.rsplit("@", 1)[1]))
     head = "| beta | policy | KV groups replaced | cache bytes/token | Wikipedia 512 | " + " | ".join(
         f"long documents {int(k.rsplit('@', 1)[1]):,}" for k in lengths
     ) + " |"
     lines = [head, "|---:|---|---:|---:|---:|" + "---:|" * len(lengths)]
-    names = {"RecencyRatioPolicy": "recency ratio (RA-I)", "streamed_loss": "measured streaming loss"}
-    for r in sorted(sweep["rows"], key=lambda r: (r["beta"], r["policy"] != "RecencyRatioPolicy")):
+    names = {"RecencyRatioPolicy": "recency ratio (RA-I)", "streamed_loss": "measured streaming loss, 8 x 512 calibration tokens"}
+
+    def name(policy: str) -> str:
+        return names.get(policy, "measured streaming loss, 2 x 2,048 Shakespeare tokens" if "long_source" in policy else policy)
+
+    for r in sorted(rows, key=lambda r: (r["beta"], r["policy"] != "RecencyRatioPolicy", len(r["policy"]))):
         groups = r["replaced_heads"] // 3  # SmolLM2: 3 query heads per KV group
         lines.append(
-            f"| {r['beta']:g} | {names.get(r['policy'], r['policy'])} | {groups} of 90 | {r['cache_bytes_per_token']:,.0f} | "
+            f"| {r['beta']:g} | {name(r['policy'])} | {groups} of 90 | {r['cache_bytes_per_token']:,.0f} | "
             f"{r['ppl_ratio']:.3f} | " + " | ".join(_long_cells(r, lengths)) + " |"
         )
     return "\n".join(lines)
