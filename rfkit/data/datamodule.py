@@ -265,8 +265,7 @@ class TextDataModule(L.LightningDataModule):
         return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
     def other_train_blocks(self, source: str, seq_len: int, field: str) -> torch.Tensor:
-        """Every block of ``seq_len`` tokens in the train split of another ``source``, in this
-        data's tokenisation (:func:`train_split_blocks`); errors name ``field`` (``model.policy.``)."""
+        """The train split of another ``source`` in ``seq_len``-token blocks, this data's tokeniser (errors name ``field``)."""
         return train_split_blocks(source, self.tokenizer_spec(), seq_len, field)
 
     # ---------------------------------------------------------------- building blocks
