@@ -17,7 +17,6 @@ import torch
 from rfkit.atomic import atomic_write_text
 from rfkit.conversion.headmap import HeadMap, load_profile, model_fingerprint, save_profile
 from rfkit.conversion.policies import FromHeadMap, HeadSelectionPolicy
-from rfkit.conversion.profile import profile_heads
 from rfkit.hub import ModelSource, cache_dir, resolve_source
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.operators import ReplacementOperator

@@ -29,7 +29,6 @@ ratio with the same calibration data, so the head map holds both rankings side b
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import torch
@@ -41,7 +40,6 @@ from rfkit.conversion.profile import HeadProfile, capture_attention, profile_hea
 from rfkit.models.layout import AttentionLayout
 from rfkit.validate import positive_int
 
-log = logging.getLogger(__name__)
 
 STREAM_ATTENTION = "rfkit_streamed_probe"
 MEASURE = "streamed_loss"
