@@ -109,7 +109,7 @@ def test_fit_config_by_name_finds_the_packaged_recipe(tmp_path, monkeypatch, cap
 def test_an_unknown_name_suggests_the_nearest(capsys):
     expected = (
         "--config: 'smollm_b05' is neither a file nor a catalogue recipe; "
-        "nearest: smollm2_b05, smollm2_b075, smollm2_mamba_b05 (rfkit recipes list)"
+        "nearest: smollm2_b05, smollm2_b075, smollm2_b09 (rfkit recipes list)"
     )
     with pytest.raises(catalog.CatalogError) as raised:
         catalog.resolve_config("smollm_b05")
@@ -122,7 +122,7 @@ def test_an_unknown_name_suggests_the_nearest(capsys):
     assert code == 2 and out == ""
     assert err == (
         "rfkit recipes: error: NAME: 'smollm_b05' is not a catalogue recipe; "
-        "nearest: smollm2_b05, smollm2_b075, smollm2_mamba_b05 (rfkit recipes list)\n"
+        "nearest: smollm2_b05, smollm2_b075, smollm2_b09 (rfkit recipes list)\n"
     )
 
 
