@@ -19,7 +19,11 @@ MambaInLlama does (the value is the input, the key gives ``B``, the query reads 
     y_r  = y_win + g * hd^-0.5 * C_r^T h                  g: one gate per query head
 
 ``P_h`` (hd, N), ``w_h`` (hd,), ``b_h`` and ``A_log_h`` (N,) are learned per KV head (shared by its
-query heads), ``g`` per query head. ``g`` starts at 0: a freshly built block *is* the
+query heads), ``g`` per query head. With ``window_gain`` each query head also learns a gain ``a``
+on its window's output, ``y_r = a * y_win + g * hd^-0.5 * C_r^T h`` (``a`` starts at 1): at
+``sink=0, window=1`` the window is the current token's value alone and ``a`` is Mamba's skip
+``D``, so the block is a selective state space over the past tokens plus a learned skip, started
+from the heads' own query, key and value projections (MambaInLlama's mapping). ``g`` starts at 0: a freshly built block *is* the
 training-free sink + recent block, exactly. ``P`` starts as random orthonormal columns, ``w`` at
 0, ``b`` at softplus^-1(0.01) and ``A_log`` at log(1 .. N) (Mamba's S4D-real start).
 :meth:`HybridMambaAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
@@ -86,6 +90,8 @@ class HybridMambaAttention(WindowAttention):
         state_dim: State size ``N`` per KV head (1 .. head_dim); the state holds ``N * hd``
             numbers per KV head.
         window_dropout: Probability that a training forward uses a shorter window.
+        window_gain: Learn a gain per query head on the window's output (starts at 1; module
+            docstring). Without it the window's output enters with weight 1.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class HybridMambaAttention(WindowAttention):
         scaling: float | None = None,
         state_dim: int = 16,
         window_dropout: float = 0.0,
+        window_gain: bool = False,
     ):
         super().__init__(kv_for_query, head_dim, window=window, sink=sink, scaling=scaling)
         n, hkv = int(state_dim), self.num_kv_heads
@@ -109,10 +116,15 @@ class HybridMambaAttention(WindowAttention):
         self.dt_bias = nn.Parameter(torch.full((hkv,), math.log(math.expm1(DT_INIT))))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(hkv, 1))
         self.gate = nn.Parameter(torch.zeros(self.num_heads))
+        if window_gain:
+            self.window_gain = nn.Parameter(torch.ones(self.num_heads))
+        else:
+            self.register_parameter("window_gain", None)
         self._generator: torch.Generator | None = None
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, state_dim={self.state_dim}, window_dropout={self.window_dropout}"
+        gain = ", window_gain=True" if self.window_gain is not None else ""
+        return f"{super().extra_repr()}, state_dim={self.state_dim}, window_dropout={self.window_dropout}{gain}"
 
     # window dropout and the state ablation are the hybrid's own (same attributes, same draws)
     dropout_generator = HybridWindowAttention.dropout_generator
@@ -161,6 +173,12 @@ class HybridMambaAttention(WindowAttention):
     def _gates(self, dtype, dims: int) -> torch.Tensor:
         """``g * scaling`` per query head as ``(G, rep)`` followed by ``dims`` unit axes."""
         return (self.gate * self.scaling).to(dtype).view(-1, self.rep, *[1] * dims)
+
+    def _windowed(self, y: torch.Tensor, dims: int) -> torch.Tensor:
+        """The window's output ``(B, G, rep, ...)`` (``dims`` trailing axes) times its gain, when learned."""
+        if self.window_gain is None:
+            return y
+        return y * self.window_gain.to(y.dtype).view(-1, self.rep, *[1] * dims)
 
     def _kv_heads(self, t: torch.Tensor) -> torch.Tensor:
         """Group tensor ``(B, G, ...)`` -> ``(B, Hkv, ...)`` (each KV head from its first query head)."""
@@ -237,7 +255,7 @@ class HybridMambaAttention(WindowAttention):
         if skip:  # the scan ran on past the L-th eviction: the next state is the one right after it
             h = self._fold(state[3].to(dt.dtype), dt[..., :L], Bk[:, :, :L], old_v[:, :, :L])
         ctx["ssm"] = h.to(state[3].dtype)
-        return A / Z + self._gates(A.dtype, 2) * Y
+        return self._windowed(A / Z, 2) + self._gates(A.dtype, 2) * Y
 
     def _next_state(self, state, ctx, seen: int, L: int) -> tuple[torch.Tensor, ...]:
         return super()._next_state(state, ctx, seen, L) + (ctx["ssm"],)
@@ -266,7 +284,7 @@ class HybridMambaAttention(WindowAttention):
 
     def _step_combine(self, A, Z, m, qg, state):
         C = qg @ self._group_param(self.proj, qg.dtype).unsqueeze(0)  # (B, G, rep, N)
-        return A / Z + self._gates(A.dtype, 1) * (C @ self._groups(state[3]))
+        return self._windowed(A / Z, 1) + self._gates(A.dtype, 1) * (C @ self._groups(state[3]))
 
     # -- general rank-masked path (masks with holes, fast = False) --------------------------------
     # long chunks run as sub-chunks of hybrid.PREFILL_CHUNK tokens, carrying the state, exactly
@@ -282,6 +300,8 @@ class HybridMambaAttention(WindowAttention):
         real = self._real(q, mask)
         read, h = self._general_reads(q, k, v, state, real, window, return_states)
         read = read * self._gates(read.dtype, 2).view(1, -1, 1, 1) * real[:, None, :, None].to(read.dtype)
+        if self.window_gain is not None:  # (B, L, Hq * hd) in head order, as the gates
+            y = (y.view(B, L, self.num_heads, self.head_dim) * self.window_gain.to(y.dtype)[:, None]).view(B, L, self.d_out)
         y = y + read.transpose(1, 2).reshape(B, L, self.d_out)
         return (y, window_state + (h,)) if return_states else y
 
@@ -325,10 +345,13 @@ class HybridMambaAttention(WindowAttention):
         (eigenvectors of ``K^T K``), then fit every gate in closed form: the least-squares ``g``
         of ``y_full - y_win ~ g * hd^-0.5 C^T h`` over the batch, with ``y_full`` the full causal
         softmax attention the heads had. A gate whose fit is undefined (no evicted token) stays 0.
+        With ``window_gain`` the gain and the gate are fitted together: ``y_full ~ a * y_win + g *
+        hd^-0.5 C^T h``.
 
         ``x`` is a batch of this block's inputs ``(B, L, d_in)`` from the original model, without
         padding. Returns per KV head the share of key energy that ``P`` keeps, and per query head
-        the gate and the share of the residual ``y_full - y_win`` that the state then explains.
+        the gate (and the gain) and the share of the residual ``y_full - y_win`` that the fit
+        explains.
         """
         B, L, _ = x.shape
         q, k, v = self._split(x.to(compute_dtype(x.dtype)))
@@ -345,10 +368,33 @@ class HybridMambaAttention(WindowAttention):
         win = win.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         real = torch.ones(B, L, dtype=torch.bool, device=x.device)
         read, _ = self._general_reads(q, k, v, self.empty_state(B, x.device, k.dtype), real, self.window, False)
-        read, resid = (read * self.scaling).double(), (full - win).double()
-        num, den = (resid * read).sum((0, 2, 3)), (read * read).sum((0, 2, 3))
-        ok = (den > 1e-30) & torch.isfinite(num / den)
-        gate = torch.where(ok, num / den.clamp_min(1e-30), torch.zeros_like(num))
-        explained = torch.where(ok, gate * num / (resid * resid).sum((0, 2, 3)).clamp_min(1e-30), torch.zeros_like(num))
+        read, full, win = (read * self.scaling).double(), full.double(), win.double()
+        gate, gain = self._fit_gates(full, win, read)
         self.gate.copy_(gate.to(self.gate.dtype))
-        return {"gate": gate.tolist(), "explained": explained.tolist(), "key_energy": kept}
+        resid = full - win
+        err = full - gain[None, :, None, None] * win - gate[None, :, None, None] * read
+        explained = 1 - (err * err).sum((0, 2, 3)) / (resid * resid).sum((0, 2, 3)).clamp_min(1e-30)
+        report = {"gate": gate.tolist(), "explained": explained.tolist(), "key_energy": kept}
+        if self.window_gain is not None:
+            self.window_gain.copy_(gain.to(self.window_gain.dtype))
+            report["window_gain"] = gain.tolist()
+        return report
+
+    def _fit_gates(self, full: torch.Tensor, win: torch.Tensor, read: torch.Tensor):
+        """Per query head, the least-squares ``(g, a)`` of ``full ~ a * win + g * read`` (all
+        ``(B, Hq, L, hd)``): ``a = 1`` held fixed unless the gain is learned. A head whose fit is
+        undefined (no evicted token, or a singular system) keeps ``g = 0, a = 1``."""
+        dims = (0, 2, 3)
+        rr, rf = (read * read).sum(dims), (read * full).sum(dims)
+        one = torch.ones_like(rr)
+        if self.window_gain is None:
+            num = rf - (read * win).sum(dims)  # the residual full - win on the read-out
+            ok = (rr > 1e-30) & torch.isfinite(num / rr)
+            return torch.where(ok, num / rr.clamp_min(1e-30), torch.zeros_like(rr)), one
+        ww, wr, wf = (win * win).sum(dims), (win * read).sum(dims), (win * full).sum(dims)
+        det = ww * rr - wr * wr
+        ok = det > 1e-12 * (ww * rr).clamp_min(1e-30)
+        safe = torch.where(ok, det, one)
+        gate = torch.where(ok, (ww * rf - wr * wf) / safe, torch.zeros_like(rr))
+        gain = torch.where(ok, (rr * wf - wr * rf) / safe, one)
+        return gate, gain

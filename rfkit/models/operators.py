@@ -347,17 +347,31 @@ class HybridMambaOperator(SinkRecentOperator):
         window_dropout: Probability that a training forward shortens the window (to between
             ``window // 4`` and ``window``), so the state must learn to carry what the window
             drops. 0 turns it off.
+        window_gain: Learn a gain per query head on the window's output (starting at 1, fitted
+            with the gates by calibration). With ``sink=0, window=1`` the window is the current
+            token's value and the gain is Mamba's skip ``D``: the block is then a selective state
+            space started from the heads' query, key and value projections (MambaInLlama's
+            mapping; ``sink=0, window=1, state_dim=38, window_gain=true`` holds the float32 bytes
+            of ``MambaOperator``'s default block per KV head: docs/mamba_recipe.md).
     """
 
     trainable = True
 
-    def __init__(self, sink: int = 4, window: int = 56, state_dim: int = 16, window_dropout: float = 0.5):
+    def __init__(
+        self, sink: int = 4, window: int = 56, state_dim: int = 16, window_dropout: float = 0.5, window_gain: bool = False,
+    ):  # fmt: skip
         super().__init__(sink=sink, window=window)
         self.state_dim = _positive_int("state_dim", state_dim)
         self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
+        if not isinstance(window_gain, bool):
+            raise OperatorError(f"model.operator.window_gain: {window_gain!r} is not allowed; must be true or false")
+        self.window_gain = window_gain
 
     def init_args(self) -> dict:
-        return {**super().init_args(), "state_dim": self.state_dim, "window_dropout": self.window_dropout}
+        args = {**super().init_args(), "state_dim": self.state_dim, "window_dropout": self.window_dropout}
+        if self.window_gain:  # absent when off: configs saved before it existed read alike
+            args["window_gain"] = True
+        return args
 
     def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
         from rfkit.models.hybrid_mamba import HybridMambaAttention
@@ -367,5 +381,5 @@ class HybridMambaOperator(SinkRecentOperator):
             raise OperatorError(f"model.operator.state_dim: {message}")
         return HybridMambaAttention(
             kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
-            state_dim=self.state_dim, window_dropout=self.window_dropout,
+            state_dim=self.state_dim, window_dropout=self.window_dropout, window_gain=self.window_gain,
         )  # fmt: skip

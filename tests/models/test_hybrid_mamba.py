@@ -40,9 +40,10 @@ def random_qkv(batch=2, length=30, seed=0, dtype=torch.float64):
     return q, k, v
 
 
-def open_block(sink=2, window=5, state_dim=4, kvq=KVQ, seed=0):
-    """A block with every state weight moved off its start (so each one matters), gates open."""
-    block = HybridMambaAttention(kvq, HD, window=window, sink=sink, state_dim=state_dim).double()
+def open_block(sink=2, window=5, state_dim=4, kvq=KVQ, seed=0, window_gain=False):
+    """A block with every state weight moved off its start (so each one matters), gates open
+    (and, with ``window_gain``, the window's gains off 1)."""
+    block = HybridMambaAttention(kvq, HD, window=window, sink=sink, state_dim=state_dim, window_gain=window_gain).double()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         block.proj.copy_(torch.randn(block.proj.shape, generator=g, dtype=torch.float64) * 0.5)
@@ -51,6 +52,8 @@ def open_block(sink=2, window=5, state_dim=4, kvq=KVQ, seed=0):
         block.A_log.copy_(torch.randn(block.A_log.shape, generator=g, dtype=torch.float64) * 0.5)
         gates = torch.tensor([0.7, 0.0, 1.4, -0.5])[: block.num_heads]  # head 1 closed: pure sink + recent
         block.gate.copy_(gates)
+        if window_gain:
+            block.window_gain.copy_(torch.tensor([1.3, 0.6, -0.4, 0.9])[: block.num_heads])
     return block
 
 
@@ -75,7 +78,8 @@ def naive(block: HybridMambaAttention, q, k, v, window_of=None):
                     dt = F.softplus(k[bi, kv, t] @ w + b)
                     x_t, B_t = v[bi, kv, t], P.T @ k[bi, kv, t]
                     state = torch.exp(dt * A)[:, None] * state + dt * B_t[:, None] * x_t[None, :]
-                out[bi, h, r] = y + block.gate[h] * hd**-0.5 * ((P.T @ q[bi, h, r]) @ state)
+                gain = 1.0 if block.window_gain is None else block.window_gain[h]
+                out[bi, h, r] = gain * y + block.gate[h] * hd**-0.5 * ((P.T @ q[bi, h, r]) @ state)
     return out.transpose(1, 2).reshape(B, L, -1)
 
 
@@ -93,6 +97,37 @@ def test_open_gate_matches_the_per_token_recurrence_in_float64(sink, window):
     with torch.no_grad():
         torch.testing.assert_close(block(packed(q, k, v)), expected, rtol=1e-12, atol=1e-12)  # tiled prefill
         torch.testing.assert_close(general(block, packed(q, k, v)), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kvq", [KVQ, [1, 0, 1]], ids=["grouped", "ungrouped"])
+@pytest.mark.parametrize("sink,window", [(0, 1), (2, 5)])
+def test_a_learned_window_gain_matches_the_recurrence_on_every_path(kvq, sink, window):
+    """``window_gain``: each query head's window output times its own gain (Mamba's skip ``D`` at
+    sink 0, window 1), the same on the tiled prefill, the rank-masked path, and decode steps."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, n, 26, HD, generator=g, dtype=torch.float64) for n in (3, 2, 2))
+    x = packed(q, k, v)
+    block = open_block(sink=sink, window=window, kvq=kvq, window_gain=True).eval()
+    expected = naive(block, q, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(general(block, x), expected, rtol=1e-12, atol=1e-12)
+        out, state = block(x[:, :9], return_states=True)
+        steps = [out]
+        for t in range(9, 26):
+            out, *state = block.step(x[:, t : t + 1], *state)
+            steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=1e-12, atol=1e-12)
+    assert block.window_gain.requires_grad and "window_gain=True" in repr(block)
+
+
+def test_a_learned_window_gain_trains_tiled_as_on_the_general_path():
+    block = open_block(sink=0, window=1, kvq=[0, 0, 1, 1], window_gain=True)
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, n, 40, HD, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    tiled, general_run = train_both_paths(block, q, k, v, window=1)
+    assert_runs_equal(tiled, general_run)
+    assert tiled["grad.window_gain"].abs().sum() > 0
 
 
 def test_ungrouped_query_heads_match_the_recurrence():
@@ -345,6 +380,32 @@ def test_calibrate_sets_the_key_directions_and_fits_the_gates():
     assert all(0 < share <= 1 for share in report["explained"])
 
 
+def test_calibrate_fits_the_window_gain_with_the_gates():
+    """With ``window_gain`` the gain and the gate of each head are one least-squares fit of the
+    full attention: at sink 0, window 1 (the current token's value alone, which full attention
+    weighs far below 1) the gains leave 1, and the fit is at least as close as the gate alone."""
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(2, 2, 48, HD, generator=g)
+    q = k[:, [0, 0, 1]] + 0.1 * torch.randn(2, 3, 48, HD, generator=g)
+    v = torch.randn(2, 2, 48, HD, generator=g)
+    x = packed(q, k, v)
+    fixed = HybridMambaAttention(KVQ, HD, window=1, sink=0, state_dim=3)
+    learned = HybridMambaAttention(KVQ, HD, window=1, sink=0, state_dim=3, window_gain=True)
+    report_fixed, report = fixed.calibrate(x), learned.calibrate(x)
+    assert "window_gain" not in report_fixed and report["window_gain"] == pytest.approx(learned.window_gain.tolist())
+    assert all(abs(a - 1) > 0.1 for a in report["window_gain"])
+    assert all(b >= a - 1e-9 for a, b in zip(report_fixed["explained"], report["explained"]))
+    assert all(0 < share <= 1 for share in report["explained"])
+    # the reported share is what the block now computes: 1 - |full - y|^2 / |full - window|^2
+    with torch.no_grad():
+        qf, kf, vf = (t.double() for t in (q, k, v))
+        full = F.scaled_dot_product_attention(qf, kf[:, [0, 0, 1]], vf[:, [0, 0, 1]], is_causal=True)
+        y = learned.double().eval()(x.double()).view(2, 48, 3, HD).transpose(1, 2)
+        window_only = vf[:, [0, 0, 1]]
+        share = 1 - ((full - y) ** 2).sum((0, 2, 3)) / ((full - window_only) ** 2).sum((0, 2, 3))
+    assert share.tolist() == pytest.approx(report["explained"], rel=1e-4, abs=1e-6)
+
+
 def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
     model = tiny_model(family)
     block_op = operator or HybridMambaOperator(sink=2, window=5, state_dim=4)
@@ -474,3 +535,27 @@ def test_the_recipe_fits_on_the_tiny_model_and_the_model_reloads(tiny_model_dir,
     model = AutoModelForCausalLM.from_pretrained(str(summary_path.parent / "model"))
     assert model.config.rf_operator["class_path"] == "rfkit.operators.HybridMambaOperator"
     assert any(isinstance(m, HybridMambaAttention) for m in model.modules())
+
+
+def test_window_gain_is_an_operator_setting_saved_only_when_on():
+    assert "window_gain" not in HybridMambaOperator().init_args()
+    operator = HybridMambaOperator(sink=0, window=1, state_dim=4, window_gain=True)
+    assert operator.init_args()["window_gain"] is True
+    assert ReplacementOperator.from_dict(operator.to_dict()).window_gain is True
+    assert operator.make_block([0, 0, 1], HD, None).window_gain is not None
+    assert HybridMambaOperator(state_dim=4).make_block([0, 0, 1], HD, None).window_gain is None
+    with pytest.raises(OperatorError, match="model.operator.window_gain: 'yes' is not allowed; must be true or false"):
+        HybridMambaOperator(window_gain="yes")
+
+
+@pytest.mark.parametrize("sink,window,state_dim", [(0, 1, 38), (4, 8, 16)])
+def test_the_mamba_from_attention_settings_hold_the_papers_mamba_bytes(sink, window, state_dim):
+    """docs/mamba_recipe.md compares the S6 state started from attention with the paper's Mamba
+    block (d_state 16, expand 2, d_conv 4) at the same cache: per replaced KV head of width 64 in
+    float32, both settings hold the paper's block's bytes, plus the window's 8-byte token count."""
+    from rfkit.operators import MambaOperator
+
+    paper = MambaOperator().build(64, 3 * 64, 0).state_bytes(1, torch.float32)
+    ours = HybridMambaAttention([0, 0, 0], 64, window=window, sink=sink, state_dim=state_dim)
+    assert paper == 64 * 2 * (16 + 4) * 4 == 10_240
+    assert ours.state_bytes(1, torch.float32) == paper + 8
