@@ -9,10 +9,20 @@ validation blocks (under FSDP through the sharded root module, in step on every 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+from pathlib import Path
+
 import lightning as L
 import torch
 
 from rfkit.evals.perplexity import SummedNLL, evaluate_perplexity
+
+log = logging.getLogger(__name__)
+
+# bump when what evaluate_perplexity computes changes, so older cached values are not reused
+ORIGINAL_CACHE_VERSION = 1
 
 
 class PerplexityMonitor(L.Callback):
@@ -33,9 +43,42 @@ class PerplexityMonitor(L.Callback):
         return evaluate_perplexity(pl_module.model, datamodule.val_dataloader(), self.max_batches, desc)
 
     def on_before_convert(self, pl_module, datamodule) -> None:
-        if datamodule is not None:
+        if datamodule is None:
+            return
+        path = self.original_cache_path(pl_module, datamodule)
+        reuse = path is not None and getattr(pl_module, "reuse_profile", True) and path.is_file()
+        if reuse:
+            ppl = float(json.loads(path.read_text())["ppl"])
+            log.info("reusing the original model's perplexity %.4f from %s", ppl, path)
+        else:
             ppl = self._evaluate(pl_module, datamodule, "perplexity (original)")
-            pl_module.run_metrics["ppl_original"] = ppl
+            from rfkit.conversion.profile import dist_rank_world
+
+            if path is not None and dist_rank_world()[0] == 0:  # one writer, as for the head profile
+                from rfkit.atomic import atomic_write_json
+
+                atomic_write_json(path, {"ppl": ppl})
+        pl_module.run_metrics["ppl_original"] = ppl
+
+    def original_cache_path(self, pl_module, datamodule) -> Path | None:
+        """Where the original model's validation perplexity is cached: keyed by the model
+        (``model.base_model``), the data (the blocks' fingerprint, validation blocks, batch size),
+        ``max_batches``, and the dtype and device it runs in. None when the model has no name to
+        key it by. Reused when ``model.reuse_profile`` is on, like the head profile."""
+        from rfkit.hub import cache_dir
+
+        name = getattr(pl_module, "base_model", None)
+        fingerprint = getattr(datamodule, "fingerprint", None)
+        if not isinstance(name, str) or fingerprint is None:
+            return None
+        weights = next(pl_module.model.parameters())
+        key = {
+            "model": name, "data": fingerprint(), "val_blocks": getattr(datamodule, "val_blocks", None),
+            "batch_size": getattr(datamodule, "batch_size", None), "max_batches": self.max_batches,
+            "dtype": str(weights.dtype), "device": weights.device.type, "version": ORIGINAL_CACHE_VERSION,
+        }  # fmt: skip
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return cache_dir() / "original_ppl" / f"{digest}.json"
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         self.metric.reset()
@@ -76,3 +119,4 @@ class PerplexityMonitor(L.Callback):
         else:  # one process, or DDP: every rank holds the whole model; no collective needed
             ppl = self._evaluate(pl_module, datamodule, "perplexity (converted)")
         return ppl
+

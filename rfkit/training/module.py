@@ -76,7 +76,8 @@ class RecurFormerModule(L.LightningModule):
             more compute. For long sequences on GPUs.
         head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
             (the same as ``policy: rfkit.conversion.policies.FromHeadMap``).
-        reuse_profile: Reuse a cached profile for the same model, data and settings.
+        reuse_profile: Reuse a cached profile for the same model, data and settings, and the
+            original model's cached validation perplexity for the same model, data, dtype and device.
         dtype: Weight dtype the base model loads in. ``auto``: bfloat16 where the device the trainer
             runs on computes bf16 natively (a CPU with AMX or AVX512-BF16, a bf16 GPU), with
             ``trainer.precision: bf16-true`` unless the recipe pins a precision; float32 elsewhere.
