@@ -12,14 +12,14 @@ SWEEP = "levers_smollm2/sweep.json"
 B09_SWEEP = "trained_smollm2_b09/sweep.json"  # the beta 0.9 fit, on the same blocks (same sweep arguments)
 LENGTHS = ("2048", "8192")
 
-# (run directory under runs/, what differs from smollm2_b075, the fit's summary)
+# (run directory under runs/, what differs from smollm2_b075, the fit's summary, its passkey result)
 LEVERS = (
-    ("smollm2_b075_sl", "none: `recipes/smollm2_b075.yaml` (decay horizon 128, 2,048-token blocks, no LoRA)", "fit_smollm2_b075_sl/summary.json"),
-    ("lever_b075_decay1024", "decay horizon 1,024 tokens (`--model.operator.init_args.decay_horizon 1024`)", "levers_smollm2/fit_decay1024.json"),
-    ("lever_b075_lora", "LoRA r 8 on the kept projections (`--model.lora.r 8 --model.lora.alpha 8`)", "levers_smollm2/fit_lora.json"),
-    ("lever_b075_long4096", "4,096-token long blocks (`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`)", "levers_smollm2/fit_long4096.json"),
-    ("lever_b075_state32", "twice the state, a shorter window, the same bytes (`--model.operator.init_args.feature_dim 32 --model.operator.init_args.window 40`)", "levers_smollm2/fit_state32.json"),
+    ("smollm2_b075_sl", "none: `recipes/smollm2_b075.yaml` (decay horizon 128, 2,048-token blocks, no LoRA)", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json"),
+    ("lever_b075_decay1024", "decay horizon 1,024 tokens (`--model.operator.init_args.decay_horizon 1024`)", "levers_smollm2/fit_decay1024.json", "levers_smollm2/passkey_decay1024.json"),
+    ("lever_b075_lora", "LoRA r 8 on the kept projections (`--model.lora.r 8 --model.lora.alpha 8`)", "levers_smollm2/fit_lora.json", "levers_smollm2/passkey_lora.json"),
+    ("lever_b075_long4096", "4,096-token long blocks (`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`)", "levers_smollm2/fit_long4096.json", "levers_smollm2/passkey_long4096.json"),
 )
+PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 # (run directory, beta label) of the state-off table; beta 0.9 comes from B09_SWEEP
 STATE_OFF = (("smollm2_b05", "0.5, `smollm2_b05` (make demo)"), ("smollm2_b075_sl", "0.75, `smollm2_b075`"))
 B09_RUN = ("smollm2_b09_sl", "0.9, `smollm2_b075` at beta 0.9")
@@ -51,6 +51,10 @@ def _lengths(row: dict) -> str:
     return " / ".join(f"{row['long_ppl_ratio'][f'shakespeare@{n}']:.3f}" for n in LENGTHS)
 
 
+def _keys(result: dict) -> str:
+    return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
+
+
 def _minutes(fit: dict) -> str:
     return f"{fit['wall_seconds'] / 60:.1f} min"
 
@@ -60,14 +64,16 @@ def recovery_levers_b075() -> str:
     sweep = load(SWEEP)
     free = next(r for r in sweep["rows"] if not r.get("trained"))
     lines = [
-        "| lever (beta 0.75, measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | fit |",
-        "|---|---:|---:|---:|---:|",
+        "| lever (beta 0.75, measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for run, label, fit_file in LEVERS:
+    for run, label, fit_file, passkey in LEVERS:
         on, off = _run_rows(sweep, run)
-        lines.append(f"| {label} | {on['ppl_ratio']:.3f} | {_lengths(on)} | {_lengths(off)} | {_minutes(load(fit_file))} |")
+        keys = _keys(load(passkey))
+        lines.append(f"| {label} | {on['ppl_ratio']:.3f} | {_lengths(on)} | {_lengths(off)} | {keys} | {_minutes(load(fit_file))} |")
     name = free["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
-    lines.append(f"| training-free {name}, the same heads, the same bytes | {free['ppl_ratio']:.3f} | {_lengths(free)} | - | none |")
+    lines.append(f"| training-free {name}, the same heads, the same bytes | {free['ppl_ratio']:.3f} | {_lengths(free)} | - | - | none |")
+    lines.append(f"| the original | 1.000 | 1.000 / 1.000 | - | {_keys(load(PASSKEY_ORIGINAL))} | - |")
     return "\n".join(lines)
 
 
