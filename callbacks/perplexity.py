@@ -119,4 +119,3 @@ class PerplexityMonitor(L.Callback):
         else:  # one process, or DDP: every rank holds the whole model; no collective needed
             ppl = self._evaluate(pl_module, datamodule, "perplexity (converted)")
         return ppl
-

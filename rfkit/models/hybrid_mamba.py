@@ -23,8 +23,8 @@ query heads), ``g`` per query head. With ``window_gain`` each query head also le
 on its window's output, ``y_r = a * y_win + g * hd^-0.5 * C_r^T h`` (``a`` starts at 1): at
 ``sink=0, window=1`` the window is the current token's value alone and ``a`` is Mamba's skip
 ``D``, so the block is a selective state space over the past tokens plus a learned skip, started
-from the heads' own query, key and value projections (MambaInLlama's mapping). ``g`` starts at 0: a freshly built block *is* the
-training-free sink + recent block, exactly. ``P`` starts as random orthonormal columns, ``w`` at
+from the heads' own query, key and value projections (MambaInLlama's mapping). ``g`` starts at 0:
+a freshly built block *is* the training-free sink + recent block, exactly. ``P`` starts as random orthonormal columns, ``w`` at
 0, ``b`` at softplus^-1(0.01) and ``A_log`` at log(1 .. N) (Mamba's S4D-real start).
 :meth:`HybridMambaAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
 attention transfer calls) sets ``P_h`` to the top ``N`` principal directions of the KV head's
