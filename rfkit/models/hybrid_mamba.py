@@ -24,8 +24,9 @@ on its window's output, ``y_r = a * y_win + g * hd^-0.5 * C_r^T h`` (``a`` start
 ``sink=0, window=1`` the window is the current token's value alone and ``a`` is Mamba's skip
 ``D``, so the block is a selective state space over the past tokens plus a learned skip, started
 from the heads' own query, key and value projections (MambaInLlama's mapping). ``g`` starts at 0:
-a freshly built block *is* the training-free sink + recent block, exactly. ``P`` starts as random orthonormal columns, ``w`` at
-0, ``b`` at softplus^-1(0.01) and ``A_log`` at log(1 .. N) (Mamba's S4D-real start).
+a freshly built block *is* the training-free sink + recent block, exactly. ``P`` starts as random
+orthonormal columns, ``w`` at 0, ``b`` at softplus^-1(0.01) and ``A_log`` at log(1 .. N) (Mamba's
+S4D-real start).
 :meth:`HybridMambaAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
 attention transfer calls) sets ``P_h`` to the top ``N`` principal directions of the KV head's
 rotated keys, so that ``C_r . B_t`` keeps the largest part of the score ``q_r . k_t``, and fits
@@ -301,7 +302,8 @@ class HybridMambaAttention(WindowAttention):
         read, h = self._general_reads(q, k, v, state, real, window, return_states)
         read = read * self._gates(read.dtype, 2).view(1, -1, 1, 1) * real[:, None, :, None].to(read.dtype)
         if self.window_gain is not None:  # (B, L, Hq * hd) in head order, as the gates
-            y = (y.view(B, L, self.num_heads, self.head_dim) * self.window_gain.to(y.dtype)[:, None]).view(B, L, self.d_out)
+            gain = self.window_gain.to(y.dtype)[:, None]
+            y = (y.view(B, L, self.num_heads, self.head_dim) * gain).view(B, L, self.d_out)
         y = y + read.transpose(1, 2).reshape(B, L, self.d_out)
         return (y, window_state + (h,)) if return_states else y
 
