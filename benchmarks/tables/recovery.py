@@ -18,7 +18,10 @@ LEVERS = (
     ("lever_b075_decay1024", "decay horizon 1,024 tokens (`--model.operator.init_args.decay_horizon 1024`)", "levers_smollm2/fit_decay1024.json", "levers_smollm2/passkey_decay1024.json"),
     ("lever_b075_lora", "LoRA r 8 on the kept projections (`--model.lora.r 8 --model.lora.alpha 8`)", "levers_smollm2/fit_lora.json", "levers_smollm2/passkey_lora.json"),
     ("lever_b075_long4096", "4,096-token long blocks (`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`)", "levers_smollm2/fit_long4096.json", "levers_smollm2/passkey_long4096.json"),
+    ("lever_b075_state32", "twice the state, a shorter window, the same bytes (`--model.operator.init_args.feature_dim 32 --model.operator.init_args.window 40`)", "levers_smollm2_state32/fit_state32.json", "levers_smollm2_state32/passkey_state32.json"),
 )
+# a lever fitted after the main sweep, scored by its own sweep with the same arguments (the same blocks)
+LATER = {"lever_b075_state32": "levers_smollm2_state32/sweep.json"}
 PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 # (run directory, beta label) of the state-off table; beta 0.9 comes from B09_SWEEP
 STATE_OFF = (("smollm2_b05", "0.5, `smollm2_b05` (make demo)"), ("smollm2_b075_sl", "0.75, `smollm2_b075`"))
@@ -68,7 +71,7 @@ def recovery_levers_b075() -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for run, label, fit_file, passkey in LEVERS:
-        on, off = _run_rows(sweep, run)
+        on, off = _run_rows(load(LATER[run]), run, LATER[run]) if run in LATER else _run_rows(sweep, run)
         keys = _keys(load(passkey))
         lines.append(f"| {label} | {on['ppl_ratio']:.3f} | {_lengths(on)} | {_lengths(off)} | {keys} | {_minutes(load(fit_file))} |")
     name = free["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
