@@ -5,6 +5,7 @@ docs/results.md keeps every table behind it, with the same files."""
 from __future__ import annotations
 
 from . import load, table
+from .trained import short
 
 DEMO = "demo_smollm2_b05_screen/summary.json"
 # the make demo fit (the same model as DEMO) and, on the same blocks and head map, the training-free rows
@@ -89,6 +90,11 @@ def front_b09() -> str:
     return _beta_table(0.9, B09_SWEEP, B09_FITS)
 
 
+def passkey_cells(result: dict) -> str:
+    """A passkey result's accuracy per length, ``1.00 / 1.00 / 0.83``."""
+    return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
+
+
 def _beta_table(beta: float, sweep_file: str, fit_files: dict, speed=None, passkey=None, passkey_original=None) -> str:
     """One beta's trained models against the training-free rankings on the same blocks; speed
     and passkey rows when measured (``speed``: the measured-loss model against its original)."""
@@ -101,7 +107,7 @@ def _beta_table(beta: float, sweep_file: str, fit_files: dict, speed=None, passk
     order_f = [p for p in ("RecencyRatioPolicy", "streamed_loss") if p in free]
     original = sweep["original"]
     fits = {p: load(fit_files[p]) for p in order_t}
-    free_name = next(iter(free.values()))["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
+    free_name = short(next(iter(free.values()))["operator"])
 
     def lengths(row: dict) -> str:
         ratios = row["long_ppl_ratio"]
@@ -110,9 +116,7 @@ def _beta_table(beta: float, sweep_file: str, fit_files: dict, speed=None, passk
     def kv(row: dict) -> str:
         return f"{int(row['kv_bytes_per_token']):,} ({row['kv_bytes_per_token'] / original['kv_bytes_per_token']:.3f})"
 
-    def keys(result: dict) -> str:
-        return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
-
+    keys = passkey_cells
     cols_t, cols_f = [trained[p] for p in order_t], [free[p] for p in order_f]
     header = ["original"] + [f"trained hybrid, {_POLICY[p]} ranking" for p in order_t] + [f"{free_name}, training-free, {_POLICY[p]} ranking" for p in order_f]
     n_f = len(cols_f)

@@ -7,6 +7,8 @@ Used by docs/comparing.md and docs/mamba_recipe.md."""
 from __future__ import annotations
 
 from . import load, table
+from .front import passkey_cells
+from .trained import short
 
 SWEEP = "levers_smollm2/sweep.json"
 B09_SWEEP = "trained_smollm2_b09/sweep.json"  # the beta 0.9 fit, on the same blocks (same sweep arguments)
@@ -54,10 +56,6 @@ def _lengths(row: dict) -> str:
     return " / ".join(f"{row['long_ppl_ratio'][f'shakespeare@{n}']:.3f}" for n in LENGTHS)
 
 
-def _keys(result: dict) -> str:
-    return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
-
-
 def _minutes(fit: dict) -> str:
     return f"{fit['wall_seconds'] / 60:.1f} min"
 
@@ -72,11 +70,11 @@ def recovery_levers_b075() -> str:
     ]
     for run, label, fit_file, passkey in LEVERS:
         on, off = _run_rows(load(LATER[run]), run, LATER[run]) if run in LATER else _run_rows(sweep, run)
-        keys = _keys(load(passkey))
+        keys = passkey_cells(load(passkey))
         lines.append(f"| {label} | {on['ppl_ratio']:.3f} | {_lengths(on)} | {_lengths(off)} | {keys} | {_minutes(load(fit_file))} |")
-    name = free["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
+    name = short(free["operator"])
     lines.append(f"| training-free {name}, the same heads, the same bytes | {free['ppl_ratio']:.3f} | {_lengths(free)} | - | - | none |")
-    lines.append(f"| the original | 1.000 | 1.000 / 1.000 | - | {_keys(load(PASSKEY_ORIGINAL))} | - |")
+    lines.append(f"| the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - |")
     return "\n".join(lines)
 
 
@@ -115,6 +113,6 @@ def mamba_from_attention() -> str:
         lines.append(f"| {label} | {ratio} | {off_ratio} | {state:,.0f} | {mse:.3f} | {_minutes(fit)} |")
     free = next(r for r in sweep["rows"] if not r.get("trained"))
     free_state = free["state_bytes"] / (free["replaced_heads"] // 3)
-    name = free["operator"].replace("sink=", "").replace("window=", "").replace(",", ", ")
+    name = short(free["operator"])
     lines.append(f"| training-free {name}, the same heads | {free['ppl_ratio']:.3f} | - | {free_state:,.0f} | - | none |")
     return "\n".join(lines)
