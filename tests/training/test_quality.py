@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import MAMBA, random_ids, run_cli, tiny_args, tiny_model
+from helpers import MAMBA, SMOLLM, random_ids, run_cli, tiny_args, tiny_model
 from torch import nn
 
 from rfkit.conversion.policies import PolicyError
@@ -360,3 +360,37 @@ def test_bad_quality_settings_are_one_line_before_loading(extra, field, monkeypa
     lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
     assert len(lines) == 1 and field in lines[0], err[-2000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_lora_control_fits_at_beta_0(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    """The control for a LoRA lever: the same recipe at beta 0 trains the same adapters on the
+    untouched attention, so the converted model can be compared with the adapted original."""
+    args = [
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
+        "--model.policy.init_args.beta", "0",
+        "--model.lora.r", "2",
+        "--model.lora.alpha", "2",
+    ]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
+    assert summary["replaced_heads"] == 0 and summary["lora_layers"] > 0
+    assert summary["cache_bytes_per_token_converted"] == summary["cache_bytes_per_token_original"]
+    assert summary["ppl_converted"] != summary["ppl_original"]  # the adapters trained
+    # rfkit sweep scores it beside converted models: one trained row, no state to switch off
+    out_dir = tmp_path / "sweep"
+    args = [
+        "sweep", "--config", SMOLLM, "--betas", "0.5", "--operators", "sink_recent(sink=4,window=16)",
+        "--trained", summary["model_dir"], "--cache-length", "64", "--no-record", "--output", str(out_dir),
+        "--model.base_model", str(tiny_model_dir), "--model.policy.init_args.window", "4",
+        "--data.source", str(tiny_corpus), "--data.seq_len", "32", "--data.batch_size", "2",
+        "--data.calibration_samples", "4", "--data.val_blocks", "4", "--data.split", "[0.1, 0.1]",
+        "--model.dtype", "float32",  # the dtype the control was fitted and saved in
+    ]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    result = json.loads((out_dir / "sweep.json").read_text())
+    (control,) = [r for r in result["rows"] if r["trained"]]
+    assert control["beta"] == 0 and control["cache_ratio"] == 1.0
+    assert control["ppl_ratio"] == pytest.approx(control["ppl"] / result["original"]["ppl"])
