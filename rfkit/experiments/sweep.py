@@ -377,7 +377,9 @@ def _trained_rows(path: Path, val_batches, cache_length: int, device, long: dict
 
     head_map = HeadMap.load(path / "head_map.json")
     model = load_model(str(path), device=device).model
-    label = operator_label(getattr(model.config, "rf_operator", None) or {"class_path": "unknown"})
+    # a model that replaced nothing (beta 0: a control with adapters) holds attention only
+    spec = getattr(model.config, "rf_operator", None) or {"class_path": "unknown"}
+    label = operator_label(spec) if head_map.replaced_heads else "attention"
     policy = (head_map.policy or {}).get("class_path", "recipe").rsplit(".", 1)[-1]
     base = {"policy": policy, "beta": float(head_map.beta), "replaced_heads": head_map.replaced_heads,
             "total_heads": head_map.total_heads, "transferred": True, "trained": True, "model": str(path)}  # fmt: skip

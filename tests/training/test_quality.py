@@ -392,5 +392,5 @@ def test_the_lora_control_fits_at_beta_0(tiny_model_dir, tiny_corpus, tmp_path, 
     assert code == 0, err[-3000:]
     result = json.loads((out_dir / "sweep.json").read_text())
     (control,) = [r for r in result["rows"] if r["trained"]]
-    assert control["beta"] == 0 and control["cache_ratio"] == 1.0
+    assert control["beta"] == 0 and control["cache_ratio"] == 1.0 and control["operator"] == "attention trained"
     assert control["ppl_ratio"] == pytest.approx(control["ppl"] / result["original"]["ppl"])
