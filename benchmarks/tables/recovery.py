@@ -116,3 +116,58 @@ def mamba_from_attention() -> str:
     name = short(free["operator"])
     lines.append(f"| training-free {name}, the same heads | {free['ppl_ratio']:.3f} | - | {free_state:,.0f} | - | none |")
     return "\n".join(lines)
+
+
+# the levers together, at beta 0.75 and 0.9: one sweep with the lever sweep's arguments scores the
+# new models and the LoRA control (the original with the same adapters and training)
+COMBINED = "levers_smollm2_combined"
+LONG = "`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`"
+# (run directory, beta, what differs from the beta's recipe, fit summary, passkey result, sweep)
+TOGETHER = (
+    ("smollm2_b075_sl", "0.75", "none: `recipes/smollm2_b075.yaml`", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json", SWEEP),
+    ("lever_b075_long4096", "0.75", f"4,096-token blocks ({LONG})", "levers_smollm2/fit_long4096.json", "levers_smollm2/passkey_long4096.json", SWEEP),
+    ("lever_b075_lora_long4096", "0.75", "4,096-token blocks and LoRA r 8 (`--model.lora.r 8 --model.lora.alpha 8`)", f"{COMBINED}/fit_b075_lora_long4096.json", f"{COMBINED}/passkey_b075_lora_long4096.json", f"{COMBINED}/sweep.json"),
+    ("smollm2_b09_sl", "0.9", "2,048-token blocks: `recipes/smollm2_b09.yaml` before this table (`--data.long_seq_len 2048 --model.transfer.long_seq_len 2048`)", "fit_smollm2_b09_sl/summary.json", f"{COMBINED}/passkey_b09_sl.json", B09_SWEEP),
+    ("lever_b09_long4096", "0.9", "4,096-token blocks: `recipes/smollm2_b09.yaml` now", f"{COMBINED}/fit_b09_long4096.json", f"{COMBINED}/passkey_b09_long4096.json", f"{COMBINED}/sweep.json"),
+    ("lever_b09_lora_long4096", "0.9", "4,096-token blocks and LoRA r 8", f"{COMBINED}/fit_b09_lora_long4096.json", f"{COMBINED}/passkey_b09_lora_long4096.json", f"{COMBINED}/sweep.json"),
+)
+CONTROL_RUN = ("lever_b0_lora_long4096", f"{COMBINED}/fit_b0_lora_long4096.json", f"{COMBINED}/passkey_b0_lora_long4096.json")
+
+
+def _ratios(row: dict) -> list[float]:
+    """Wikipedia 512, then each long length: the row's perplexity ratios to the original."""
+    return [row["ppl_ratio"]] + [row["long_ppl_ratio"][f"shakespeare@{n}"] for n in LENGTHS]
+
+
+def _cells(ratios: list[float]) -> list[str]:
+    return [f"{r:.3f}" for r in ratios]
+
+
+@table("recovery_levers_together")
+def recovery_levers_together() -> str:
+    """The levers together at beta 0.75 and 0.9, the training-free rows of each beta and the LoRA
+    control; the last column divides a LoRA row by the control (the original with the same
+    adapters and training), which is what the conversion itself costs once the adapters are there."""
+    combined = load(f"{COMBINED}/sweep.json")
+    control = [r for r in combined["rows"] if r.get("trained") and f"runs/{CONTROL_RUN[0]}/" in r.get("model", "")]
+    if len(control) != 1:
+        raise KeyError(f"{COMBINED}/sweep.json: expected one trained row of runs/{CONTROL_RUN[0]}/")
+    adapted = _ratios(control[0])
+    lines = [
+        "| beta | lever (measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | against the adapted original: Wikipedia / 2,048 / 8,192 | fit |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run, beta, label, fit_file, passkey, sweep_file in TOGETHER:
+        on, off = _run_rows(load(sweep_file), run, sweep_file)
+        cells = _cells(_ratios(on))
+        against = " / ".join(_cells([c / a for c, a in zip(_ratios(on), adapted)])) if "lora" in run else "-"
+        keys = passkey_cells(load(passkey))
+        lines.append(f"| {beta} | {label} | {cells[0]} | {' / '.join(cells[1:])} | {_lengths(off)} | {keys} | {against} | {_minutes(load(fit_file))} |")
+    for beta in ("0.75", "0.9"):
+        free = next(r for r in combined["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta)
+        cells = _cells(_ratios(free))
+        lines.append(f"| {beta} | training-free {short(free['operator'])}, the same heads, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | - | none |")
+    run, fit_file, passkey = CONTROL_RUN
+    lines.append(f"| 0 | the LoRA control: the original with the same adapters and training (`--model.policy.init_args.beta 0`) | {_cells(adapted)[0]} | {' / '.join(_cells(adapted)[1:])} | - | {passkey_cells(load(passkey))} | 1.000 / 1.000 / 1.000 | {_minutes(load(fit_file))} |")
+    lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - | - |")
+    return "\n".join(lines)
