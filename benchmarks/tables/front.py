@@ -80,14 +80,24 @@ def front_b075() -> str:
     return _beta_table(0.75, B075_SWEEP, B075_FITS, load(B075_SPEED), passkey, load(B075_PASSKEY_ORIGINAL))
 
 
-# beta 0.9: the measured-loss ranking trained (recipes/smollm2_b09.yaml), both rankings training-free
+# beta 0.9: recipes/smollm2_b09.yaml (4,096-token blocks) trained, measured by the levers sweep,
+# against both rankings training-free from the first beta 0.9 sweep: the same sweep arguments, so
+# the same blocks (checked: the original's perplexities must be equal)
 B09_SWEEP = "trained_smollm2_b09/sweep.json"
-B09_FITS = {"StreamedLossPolicy": "fit_smollm2_b09_sl/summary.json"}
+B09_TRAINED = ("levers_smollm2_combined/sweep.json", "runs/lever_b09_long4096/")
+B09_FITS = {"StreamedLossPolicy": "levers_smollm2_combined/fit_b09_long4096.json"}
+B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_combined/passkey_b09_long4096.json"}
 
 
 @table("front_b09")
 def front_b09() -> str:
-    return _beta_table(0.9, B09_SWEEP, B09_FITS)
+    free, (trained_file, run) = load(B09_SWEEP), B09_TRAINED
+    trained = load(trained_file)
+    if trained["original"] != free["original"]:
+        raise ValueError(f"{trained_file} and {B09_SWEEP} measured different blocks")
+    rows = [r for r in free["rows"] if not r.get("trained")] + [r for r in trained["rows"] if run in r.get("model", "")]
+    passkey = {p: load(f) for p, f in B09_PASSKEY.items()}
+    return _beta_table(0.9, {**free, "rows": rows}, B09_FITS, passkey=passkey, passkey_original=load(B075_PASSKEY_ORIGINAL))
 
 
 def passkey_cells(result: dict) -> str:
@@ -95,10 +105,11 @@ def passkey_cells(result: dict) -> str:
     return " / ".join(f"{c['accuracy']:.2f}" for c in result["by_length"])
 
 
-def _beta_table(beta: float, sweep_file: str, fit_files: dict, speed=None, passkey=None, passkey_original=None) -> str:
-    """One beta's trained models against the training-free rankings on the same blocks; speed
-    and passkey rows when measured (``speed``: the measured-loss model against its original)."""
-    sweep = load(sweep_file)
+def _beta_table(beta: float, sweep: str | dict, fit_files: dict, speed=None, passkey=None, passkey_original=None) -> str:
+    """One beta's trained models against the training-free rankings on the same blocks (a sweep
+    file, or rows already gathered from sweeps of the same blocks); speed and passkey rows when
+    measured (``speed``: the measured-loss model against its original)."""
+    sweep = load(sweep) if isinstance(sweep, str) else sweep
     rows = sweep["rows"]
     trained = {r["policy"]: r for r in rows if r.get("trained") and not r["operator"].endswith("state off")}
     state_off = {r["policy"]: r for r in rows if r.get("trained") and r["operator"].endswith("state off")}
