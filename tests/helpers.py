@@ -104,14 +104,7 @@ def tiny_args(model_dir, corpus, root, recipe=SMOLLM):
     return [
         "--config", recipe,
         *pin,
-        "--model.base_model", str(model_dir),
-        "--model.policy.init_args.window", "4",
-        "--data.source", str(corpus),
-        "--data.seq_len", "32",
-        "--data.batch_size", "2",
-        "--data.calibration_samples", "4",
-        "--data.val_blocks", "4",
-        "--data.split", "[0.1, 0.1]",
+        *sweep_overrides(model_dir, corpus),
         "--trainer.default_root_dir", str(root),
         "--trainer.max_steps", "2",
         "--trainer.val_check_interval", "2",
@@ -279,3 +272,17 @@ def float32_copy(model_dir, dest):
     (Path(dest) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(dest)
 
+
+def sweep_overrides(model_dir, corpus):
+    """The tiny model, corpus and blocks in place of a SmolLM2 recipe's: all ``rfkit sweep`` needs,
+    and the start of :func:`tiny_args` for ``rfkit fit``."""
+    return [
+        "--model.base_model", str(model_dir),
+        "--model.policy.init_args.window", "4",
+        "--data.source", str(corpus),
+        "--data.seq_len", "32",
+        "--data.batch_size", "2",
+        "--data.calibration_samples", "4",
+        "--data.val_blocks", "4",
+        "--data.split", "[0.1, 0.1]",
+    ]  # fmt: skip

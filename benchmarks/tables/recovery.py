@@ -51,9 +51,7 @@ def _run_rows(sweep: dict, run: str, name: str = SWEEP) -> tuple[dict, dict]:
 
 
 def _lengths(row: dict) -> str:
-    if not row:
-        return "-"
-    return " / ".join(f"{row['long_ppl_ratio'][f'shakespeare@{n}']:.3f}" for n in LENGTHS)
+    return " / ".join(_cells(_ratios(row)[1:])) if row else "-"
 
 
 def _minutes(fit: dict) -> str:

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import run_cli  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
+from helpers import run_cli, sweep_overrides  # pytest puts tests/ on sys.path (rootdir conftest, prepend mode)
 
 from rfkit.conversion import evaluations
 from rfkit.devices import native_bf16
@@ -14,24 +14,11 @@ from rfkit.devices import native_bf16
 SMOLLM = "recipes/smollm2_b05.yaml"
 
 
-def overrides(model_dir, corpus):
-    return [
-        "--model.base_model", str(model_dir),
-        "--model.policy.init_args.window", "4",
-        "--data.source", str(corpus),
-        "--data.seq_len", "32",
-        "--data.batch_size", "2",
-        "--data.calibration_samples", "4",
-        "--data.val_blocks", "4",
-        "--data.split", "[0.1, 0.1]",
-    ]  # fmt: skip
-
-
 @pytest.mark.slow
 def test_sweep_profiles_once_and_measures_every_beta(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out_dir = tmp_path / "sweep"
     args = ["sweep", "--config", SMOLLM, "--betas", "1,0,0.5", "--output", str(out_dir), "--cache-length", "64", "--operators", "mamba"]
-    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    code, out, err = run_cli([*args, *sweep_overrides(tiny_model_dir, tiny_corpus)], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = {r["beta"]: r for r in result["rows"]}
@@ -64,7 +51,7 @@ def test_sweep_with_fit_trains_each_beta(tiny_model_dir, tiny_corpus, tmp_path, 
              "--model.transfer.long_source", str(tiny_corpus), "--model.transfer.long_seq_len", "64",
              "--model.transfer.long_samples", "2", "--data.long_source", str(tiny_corpus), "--data.long_seq_len", "64",
              ]  # fmt: skip  (the recipe's long blocks, in transfer and in training, at the tiny scale)
-    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus), *extra], capsys)
+    code, out, err = run_cli([*args, *sweep_overrides(tiny_model_dir, tiny_corpus), *extra], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
     trained = [r for r in result["rows"] if r["trained"]]
@@ -104,7 +91,7 @@ def test_bad_sweep_input_is_one_line_and_exit_2(extra, field, tiny_model_dir, ti
         raise AssertionError("a model was loaded before the input was checked")
 
     monkeypatch.setattr(rfkit.conversion.convert, "load_base_model", no_load)
-    args = ["sweep", "--config", SMOLLM, "--output", str(tmp_path / "s"), *overrides(tiny_model_dir, tiny_corpus), *extra]
+    args = ["sweep", "--config", SMOLLM, "--output", str(tmp_path / "s"), *sweep_overrides(tiny_model_dir, tiny_corpus), *extra]
     code, out, err = run_cli(args, capsys)
     assert code == 2
     lines = err.strip().splitlines()
@@ -130,7 +117,7 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
         "--operators", f"mamba,{sink_recent},sliding_window(window=64)",
         "--transfer", "--model.transfer.steps", "2", "--model.transfer.samples", "4",
     ]  # fmt: skip
-    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    code, out, err = run_cli([*args, *sweep_overrides(tiny_model_dir, tiny_corpus)], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
     rows = {(r["policy"], r["operator"]): r for r in result["rows"]}
@@ -174,7 +161,7 @@ def test_sweep_adds_trained_models_and_long_documents(tiny_model_dir, tiny_corpu
         "--operators", "sink_recent(sink=4,window=16)", "--trained", str(model_dir),
         "--long", str(tiny_corpus), "--long-lengths", "64,96", "--long-blocks", "2",
     ]  # fmt: skip
-    code, out, err = run_cli([*args, *overrides(tiny_model_dir, tiny_corpus)], capsys)
+    code, out, err = run_cli([*args, *sweep_overrides(tiny_model_dir, tiny_corpus)], capsys)
     assert code == 0, err
     result = json.loads((out_dir / "sweep.json").read_text())
     name = tiny_corpus.name

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import MAMBA, SMOLLM, random_ids, run_cli, tiny_args, tiny_model
+from helpers import MAMBA, SMOLLM, random_ids, run_cli, sweep_overrides, tiny_args, tiny_model
 from torch import nn
 
 from rfkit.conversion.policies import PolicyError
@@ -383,9 +383,7 @@ def test_the_lora_control_fits_at_beta_0(tiny_model_dir, tiny_corpus, tmp_path, 
     args = [
         "sweep", "--config", SMOLLM, "--betas", "0.5", "--operators", "sink_recent(sink=4,window=16)",
         "--trained", summary["model_dir"], "--cache-length", "64", "--no-record", "--output", str(out_dir),
-        "--model.base_model", str(tiny_model_dir), "--model.policy.init_args.window", "4",
-        "--data.source", str(tiny_corpus), "--data.seq_len", "32", "--data.batch_size", "2",
-        "--data.calibration_samples", "4", "--data.val_blocks", "4", "--data.split", "[0.1, 0.1]",
+        *sweep_overrides(tiny_model_dir, tiny_corpus),
         "--model.dtype", "float32",  # the dtype the control was fitted and saved in
     ]  # fmt: skip
     code, out, err = run_cli(args, capsys)
