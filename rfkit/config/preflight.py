@@ -162,6 +162,20 @@ def check_long_source(section, base_model, prefix: str = "model.transfer.") -> N
         )
 
 
+def check_recall_weight(model, data) -> None:
+    """``model.distill.recall`` weighs the answers that ``data.long_recall`` plants: a weight
+    with nothing planted would silently do nothing."""
+    from rfkit.training.distill import DistillError
+
+    distill = model.get("distill") if model is not None else None
+    weight = distill.get("recall") if hasattr(distill, "get") else None
+    if _is_number(weight) and weight > 0 and not data.get("long_recall"):
+        raise DistillError(
+            f"model.distill.recall: {weight} weighs the answers planted by data.long_recall, which is 0; "
+            "set data.long_recall > 0 (with data.long_source) or use 0"
+        )
+
+
 def preflight(subcommand: str | None, config) -> None:
     """Checks that need only the parsed settings: they run before any class is built, any
     model loads or anything is written, and each failure is one line naming the field.
@@ -202,6 +216,7 @@ def preflight(subcommand: str | None, config) -> None:
             check_model_fits_data(base_model, init.get("seq_len"), init.get("tokenizer") or base_model)
         if subcommand == "fit":  # the one command that trains on them
             check_long_source(init, base_model, prefix="data.")
+            check_recall_weight(model, init)
     if subcommand in ("fit", "validate", "test"):
         root = trainer.get("default_root_dir") if trainer is not None else None
         check_writable(root or os.getcwd(), "trainer.default_root_dir", "directory")

@@ -14,8 +14,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from rfkit.atomic import atomic_write
-from rfkit.data.documents import SPLITS, _one_line, pack_blocks, split_documents
+from rfkit.data.documents import SPLITS, _one_line, load_packed, pack_blocks, save_packed, split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.long import interleaved_loader, long_source_message
 from rfkit.data.sampling import ResumableShuffle, _Blocks
@@ -79,6 +78,8 @@ class TextDataModule(L.LightningDataModule):
         long_seq_len: int = 2048,
         long_every: int = 1,
         long_batch_size: int = 1,
+        long_recall: int = 0,
+        long_recall_gap: int = 256,
     ):
         """Text source, tokenisation and packing settings.
 
@@ -117,6 +118,10 @@ class TextDataModule(L.LightningDataModule):
             long_seq_len: Tokens per long block.
             long_every: Short batches between two long ones.
             long_batch_size: Long blocks per long batch.
+            long_recall: Records planted in each long training block, each recalled at least
+                ``long_recall_gap`` tokens later (:mod:`rfkit.data.recall`; the answers' loss is
+                ``model.distill.recall``). 0: the long blocks are plain text.
+            long_recall_gap: Fewest tokens between a record and its recall line.
         """
         super().__init__()
         self.source = str(source)
@@ -138,6 +143,7 @@ class TextDataModule(L.LightningDataModule):
         self.long_seq_len = long_seq_len
         self.long_every = long_every
         self.long_batch_size = long_batch_size
+        self.long_recall, self.long_recall_gap = long_recall, long_recall_gap
         self.long_train: torch.Tensor | None = None  # (N, long_seq_len): long_blocks() reads it on first use
 
         self.calibration: torch.Tensor | None = None
@@ -160,7 +166,7 @@ class TextDataModule(L.LightningDataModule):
             SourceError: one line naming the offending ``data.*`` field and what is allowed.
         """
         minimums = {"seq_len": 2, "batch_size": 1, "calibration_samples": 1, "val_blocks": 1, "num_workers": 0}
-        minimums.update(long_seq_len=2, long_every=1, long_batch_size=1)
+        minimums.update(long_seq_len=2, long_every=1, long_batch_size=1, long_recall=0, long_recall_gap=0)
         for field, minimum in minimums.items():
             value = getattr(self, field)
             if not _is_int(value) or value < minimum:
@@ -169,6 +175,8 @@ class TextDataModule(L.LightningDataModule):
             value = getattr(self, field)
             if value is not None and (not _is_int(value) or value < 1):
                 raise SourceError(f"data.{field}: must be an integer >= 1 or null, got {value!r}")
+        if self.long_recall and self.long_source is None:
+            raise SourceError(f"data.long_recall: plants records in the long blocks; set data.long_source or use 0, got {self.long_recall}")
         if not _is_int(self.seed):
             raise SourceError(f"data.seed: must be an integer, got {self.seed!r}")
 
@@ -306,36 +314,14 @@ class TextDataModule(L.LightningDataModule):
         blocks["documents"] = {name: len(by_split[name]) for name in SPLITS}
         return blocks
 
-    def _load_cache(self, path: Path) -> dict[str, Any] | None:
-        if not path.exists():
-            return None
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            ok = all(
-                isinstance(data.get(n), torch.Tensor) and data[n].ndim == 2 and data[n].shape[1] == self.seq_len
-                for n in SPLITS
-            )
-            if not ok:
-                raise ValueError("unexpected contents")
-            return data
-        except Exception as e:  # a corrupt or foreign file: rebuild it
-            log.warning("ignoring unreadable data cache %s (%s)", path, _one_line(e))
-            return None
-
-    def _save_cache(self, path: Path, data: dict[str, Any]) -> None:
-        try:
-            atomic_write(path, lambda tmp: torch.save(data, tmp))
-        except OSError as e:
-            log.warning("could not write the data cache %s (%s); continuing without it", path, _one_line(e))
-
     def _blocks(self) -> dict[str, Any]:
         """All packed blocks per split, from memory, the cache, or by tokenising."""
         if self._all_blocks is None:
             path = self.cache_path()
-            data = self._load_cache(path)
+            data = load_packed(path, self.seq_len)
             if data is None:
                 data = self._build()
-                self._save_cache(path, data)
+                save_packed(path, data)
             else:
                 log.info("loaded packed blocks from %s", path)
             self._all_blocks = data
@@ -476,7 +462,8 @@ class TextDataModule(L.LightningDataModule):
         if self.long_source is None:
             return {}
         settings = {"source": self.long_source, "seq_len": self.long_seq_len, "every": self.long_every}
-        return {"long": {**settings, "batch_size": self.long_batch_size}}
+        recall = {"recall": self.long_recall, "recall_gap": self.long_recall_gap} if self.long_recall else {}
+        return {"long": {**settings, "batch_size": self.long_batch_size, **recall}}
 
 
 def train_split_blocks(source: str, tokenizer: str | ModelSource, seq_len: int, prefix: str) -> torch.Tensor:

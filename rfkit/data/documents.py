@@ -5,9 +5,12 @@ document belongs to, decided by its key alone, and how a split's token lists bec
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
+
+log = logging.getLogger("rfkit.data.datamodule")  # the cache messages read as the data module's
 
 SPLITS = ("calibration", "validation", "train")
 DEFAULT_SPLIT = (0.05, 0.05)  # calibration, validation fractions; see default_split()
@@ -91,3 +94,29 @@ def _make_doc(text: str | None, title: str | None) -> Document | None:
     if not text:
         return None
     return Document(title if title else text_key(text), text)
+
+
+def load_packed(path, seq_len: int) -> dict[str, Any] | None:
+    """The packed blocks cached at ``path`` (every split ``(N, seq_len)``), or None when the file
+    is missing, corrupt or foreign (it is rebuilt)."""
+    if not path.exists():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        shapes_ok = all(isinstance(data.get(n), torch.Tensor) and data[n].ndim == 2 and data[n].shape[1] == seq_len for n in SPLITS)
+        if not shapes_ok:
+            raise ValueError("unexpected contents")
+        return data
+    except Exception as e:
+        log.warning("ignoring unreadable data cache %s (%s)", path, _one_line(e))
+        return None
+
+
+def save_packed(path, data: dict[str, Any]) -> None:
+    """Cache packed blocks at ``path`` (write then rename); a failure is a warning, not an error."""
+    from rfkit.atomic import atomic_write
+
+    try:
+        atomic_write(path, lambda tmp: torch.save(data, tmp))
+    except OSError as e:
+        log.warning("could not write the data cache %s (%s); continuing without it", path, _one_line(e))

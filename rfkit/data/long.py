@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch.utils.data import DataLoader
 
 from rfkit.data.sampling import InterleavedBatches, _MixedBlocks
+from rfkit.data.recall import planter_for
 
 
 def long_source_message(message: str, field: str) -> str:
@@ -23,7 +24,7 @@ def interleaved_loader(data) -> DataLoader:
     shuffled training batches with a batch of long blocks after every ``long_every`` of them
     (:class:`~rfkit.data.sampling.InterleavedBatches`), sharded over the trainer's ranks and
     resumed where a checkpoint left off."""
-    dataset = _MixedBlocks(data.train, data.long_blocks())
+    dataset = _MixedBlocks(data.train, data.long_blocks(), planter_for(data))
     replicas, rank = data._ranks()
     sizes = (data.batch_size, data.long_batch_size, data.long_every)
     order = InterleavedBatches(dataset, data.seed, *sizes, num_replicas=replicas, rank=rank)
@@ -34,3 +35,4 @@ def interleaved_loader(data) -> DataLoader:
         num_workers=data.num_workers,
         persistent_workers=data.num_workers > 0,
     )
+

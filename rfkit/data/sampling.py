@@ -70,17 +70,23 @@ class _MixedBlocks(Dataset):
     """Short and long blocks (two tensors of different widths) for the interleaved training
     loader: the sampler yields whole batches as ``(kind, rows)`` with kind ``"short"`` or
     ``"long"``, and an item is ``{"input_ids": LongTensor(len(rows), width), "long": bool}`` (the
-    loss reads ``long``: ``model.distill.long_ce``)."""
+    loss reads ``long``: ``model.distill.long_ce``). With a ``planter``
+    (:class:`rfkit.data.recall.RecallPlanter`, ``data.long_recall``) a long item also carries the
+    planted answers' ``answer_mask`` (``model.distill.recall``)."""
 
-    def __init__(self, short: torch.Tensor, long: torch.Tensor):
+    def __init__(self, short: torch.Tensor, long: torch.Tensor, planter=None):
         self.blocks = {"short": short, "long": long}
+        self.planter = planter
 
     def __len__(self) -> int:
         return sum(b.shape[0] for b in self.blocks.values())
 
     def __getitem__(self, item: tuple[str, tuple[int, ...]]) -> dict:
         kind, rows = item
-        return {"input_ids": self.blocks[kind][list(rows)], "long": kind == "long"}
+        ids = self.blocks[kind][list(rows)]
+        if kind == "long" and self.planter is not None:
+            return {**self.planter.batch(ids, rows), "long": True}
+        return {"input_ids": ids, "long": kind == "long"}
 
 
 class InterleavedBatches(ResumableShuffle):

@@ -41,6 +41,9 @@ class DistillConfig:
         long_ce: Weight of the cross-entropy on the long blocks that ``data.long_source`` mixes
             into training (``null``: ``ce``). ``0`` distils them alone: the student learns the
             original's long-context behaviour, not the long source's text.
+        recall: Weight of a cross-entropy on the planted answers alone (``data.long_recall``:
+            the numbers a recall line must copy from far back), added to the loss of the long
+            batches that carry them. 0: the answers count as any other token.
     """
 
     ce: float = 1.0
@@ -49,9 +52,10 @@ class DistillConfig:
     hidden: float = 0.0
     share_modules: bool = True
     long_ce: float | None = None
+    recall: float = 0.0
 
     def __post_init__(self):
-        for name in ("ce", "kl", "hidden") + (("long_ce",) if self.long_ce is not None else ()):
+        for name in ("ce", "kl", "hidden", "recall") + (("long_ce",) if self.long_ce is not None else ()):
             in_range(f"model.distill.{name}", getattr(self, name), 0, finite=True, error=DistillError)
         if self.ce == 0 and self.kl == 0 and self.hidden == 0:
             raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
@@ -124,4 +128,18 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
             hidden = hidden_loss(out.hidden_states, reference.hidden_states)
             loss = loss + config.hidden * hidden
             parts["hidden"] = hidden.detach()
+    answers = batch.get("answer_mask")
+    if config.recall > 0 and answers is not None:
+        recall = answer_loss(out.logits, ids, answers)
+        loss = loss + config.recall * recall
+        parts["recall"] = recall.detach()
     return loss, parts
+
+
+def answer_loss(logits: torch.Tensor, input_ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the positions ``answers`` (B, L) marks (0 when none)."""
+    targets = answers[:, 1:]
+    picked = logits[:, :-1][targets].float()
+    if picked.shape[0] == 0:
+        return logits.sum() * 0.0
+    return F.cross_entropy(picked, input_ids[:, 1:][targets])

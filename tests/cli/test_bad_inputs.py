@@ -172,6 +172,10 @@ CASES = [
     ("long-data-beyond-context", "fit", ["--data.long_seq_len", "512"],
      ["data.long_seq_len: 512 tokens is beyond the context", "max_position_embeddings 256", "<= 256"]),  # fmt: skip
     ("long-every-zero", "fit", ["--data.long_every", "0"], ["data.long_every: must be an integer >= 1, got 0"]),
+    ("long-recall-negative", "fit", ["--data.long_recall", "-1"], ["data.long_recall: must be an integer >= 0, got -1"]),
+    ("long-recall-without-long-source", "fit", ["--data.long_source", "null", "--data.long_recall", "4"], ["data.long_recall: plants records", "set data.long_source"]),
+    ("recall-weight-without-records", "fit", ["--model.distill.recall", "1"],
+     ["model.distill.recall: 1", "planted by data.long_recall, which is 0"]),  # fmt: skip
     # outputs that cannot be written (root ignores permission bits: these are truly unwritable)
     ("root-dir-under-a-file", "fit", ["--trainer.default_root_dir", "{in}/a_file/run"],
      ["trainer.default_root_dir: cannot create", "a_file' is a file, not a directory"]),  # fmt: skip

@@ -1,0 +1,133 @@
+"""``data.long_recall``: records planted in the long training blocks and recalled far later, and
+``model.distill.recall``, the loss on their answers. The embedded tokenizer, small local text."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rfkit.data.recall import RECALL, RECORD, RecallPlanter
+from rfkit.hub import EMBEDDED_MODEL, SourceError, resolve_model
+from rfkit.training.distill import DistillConfig, DistillError, answer_loss, training_loss
+
+pytestmark = pytest.mark.usefixtures("data_cache")
+
+PAIR = re.compile(r"\((Record|Recall): the (\w+) number is (\d+)\.\)")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_MODEL))
+
+
+@pytest.fixture(scope="module")
+def block(tokenizer):
+    text = " ".join(f"line {i} of a long and quiet play." for i in range(400))
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:1024])
+
+
+def _lines(tokenizer, ids: torch.Tensor) -> list[tuple[int, str, str, str]]:
+    """(token position, kind, label, number) of every record and recall line in ``ids``."""
+    found = []
+    for start in range(len(ids)):
+        text = tokenizer.decode(ids[start : start + 16])
+        match = PAIR.match(text.lstrip("\n"))
+        if match and not (found and start - found[-1][0] < 4):
+            found.append((start, *match.groups()))
+    return found
+
+
+def test_each_record_is_recalled_after_the_gap_and_the_answers_are_its_digits(tokenizer, block):
+    planter = RecallPlanter(tokenizer, count=5, gap=300, seed=0)
+    ids, answers = planter(block, row=3)
+    lines = _lines(tokenizer, ids)
+    records = {label: (at, number) for at, kind, label, number in lines if kind == "Record"}
+    recalls = {label: (at, number) for at, kind, label, number in lines if kind == "Recall"}
+    assert len(records) == len(recalls) == 5 and records.keys() == recalls.keys()
+    for label, (at, number) in records.items():
+        back, repeated = recalls[label]
+        assert repeated == number and 3 <= len(number) <= 6
+        assert back - at >= 300  # never within an exact window of this size
+    # the answer mask holds exactly the recalled numbers' digits, in order
+    assert tokenizer.decode(ids[answers]) == "".join(recalls[label][1] for label in sorted(recalls, key=lambda k: recalls[k][0]))
+    changed = (ids != block).sum().item()
+    assert 0 < changed <= 10 * 20  # the text around the records is untouched
+    assert (ids == block)[: min(at for at, _ in records.values())].all()
+
+
+def test_records_are_fixed_by_seed_and_row(tokenizer, block):
+    planter = RecallPlanter(tokenizer, count=3, gap=100, seed=0)
+    first, again = planter(block, row=1), planter(block, row=1)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])  # a resumed fit sees the same
+    assert not torch.equal(first[0], planter(block, row=2)[0])
+    assert not torch.equal(first[0], RecallPlanter(tokenizer, count=3, gap=100, seed=1)(block, row=1)[0])
+
+
+def test_a_block_too_short_for_the_gap_is_left_as_it_is(tokenizer, block):
+    ids, answers = RecallPlanter(tokenizer, count=4, gap=2000, seed=0)(block, row=0)
+    assert torch.equal(ids, block) and not answers.any()
+
+
+def test_templates_are_not_the_passkey_evaluations():
+    from rfkit.evals.passkey import FILLER, NEEDLE, QUESTION
+
+    for template in (RECORD, RECALL):
+        assert "pass key" not in template.lower()
+        assert not set(template.split()) & set((NEEDLE + QUESTION + FILLER).split()) - {"the", "is"}
+
+
+def test_the_long_batches_carry_the_answers(tokenizer):
+    from rfkit.data.sampling import _MixedBlocks
+
+    long = torch.randint(100, 1000, (3, 256))
+    data = _MixedBlocks(torch.zeros(6, 8, dtype=torch.long), long, RecallPlanter(tokenizer, 2, 64, seed=0))
+    item = data[("long", (2, 0))]
+    assert item["long"] and item["input_ids"].shape == item["answer_mask"].shape == (2, 256)
+    assert item["answer_mask"].any(dim=1).all()
+    assert torch.equal(item["input_ids"][0], RecallPlanter(tokenizer, 2, 64, seed=0)(long[2], 2)[0])
+    assert "answer_mask" not in data[("short", (0, 1))]
+
+
+def test_a_slow_tokenizer_is_refused_in_one_line():
+    class Slow:
+        is_fast = False
+
+    with pytest.raises(SourceError, match=r"^data\.long_recall: needs a fast tokenizer"):
+        RecallPlanter(Slow(), 2, 64)
+
+
+def test_answer_loss_is_the_cross_entropy_of_the_marked_positions():
+    torch.manual_seed(0)
+    logits, ids = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    answers = torch.zeros(2, 6, dtype=torch.bool)
+    answers[0, 3], answers[1, 5] = True, True  # predicted from positions (0, 2) and (1, 4)
+    expected = (F.cross_entropy(logits[0, 2:3], ids[0, 3:4]) + F.cross_entropy(logits[1, 4:5], ids[1, 5:6])) / 2
+    assert torch.allclose(answer_loss(logits, ids, answers), expected)
+    assert answer_loss(logits, ids, torch.zeros_like(answers)).item() == 0.0
+
+
+def test_the_recall_weight_adds_the_answers_loss_and_logs_it():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 11)
+
+        def forward(self, input_ids, **_):
+            return type("Out", (), {"logits": self.embed(input_ids)})()
+
+    torch.manual_seed(0)
+    model, ids = Tiny(), torch.randint(0, 11, (1, 8))
+    answers = torch.zeros(1, 8, dtype=torch.bool)
+    answers[0, 5:7] = True
+    batch = {"input_ids": ids, "answer_mask": answers, "long": True}
+    plain, _ = training_loss(model, batch, DistillConfig(kl=0.0))
+    weighted, parts = training_loss(model, batch, DistillConfig(kl=0.0, recall=2.0))
+    assert torch.allclose(weighted - plain, 2.0 * answer_loss(model(ids).logits, ids, answers))
+    assert "recall" in parts and "recall" not in training_loss(model, batch, DistillConfig(kl=0.0))[1]
+    with pytest.raises(DistillError, match=r"model\.distill\.recall"):
+        DistillConfig(recall=-1.0)
