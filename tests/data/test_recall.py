@@ -131,3 +131,25 @@ def test_the_recall_weight_adds_the_answers_loss_and_logs_it():
     assert "recall" in parts and "recall" not in training_loss(model, batch, DistillConfig(kl=0.0))[1]
     with pytest.raises(DistillError, match=r"model\.distill\.recall"):
         DistillConfig(recall=-1.0)
+
+
+@pytest.mark.slow
+def test_a_fit_with_planted_recall_logs_the_answers_loss(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    """Through ``rfkit fit``: the long batches carry records (``data.long_recall``) and the
+    answers' loss is logged beside the others; the head map's data section records the setting."""
+    from helpers import run_cli, tiny_args
+
+    args = [
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
+        "--data.long_recall", "2", "--data.long_recall_gap", "16", "--model.distill.recall", "1",
+        "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "CSVLogger",
+        "--trainer.logger.save_dir", str(tmp_path),
+    ]  # fmt: skip
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    metrics = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()
+    column = metrics[0].split(",").index("train_recall")
+    logged = [float(row.split(",")[column]) for row in metrics[1:] if row.split(",")[column]]
+    assert logged and all(value > 0 for value in logged)  # the tiny model cannot copy the numbers yet
+    config = next(tmp_path.rglob("config.yaml")).read_text()
+    assert "long_recall: 2" in config and "recall: 1" in config
