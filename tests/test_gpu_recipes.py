@@ -26,7 +26,11 @@ OPERATOR_ARGS = dict(sink=4, window=56, feature_dim=16, window_dropout=0.5, deca
 VARIED = (
     "model.operator", "model.transfer", "model.freeze", "model.freeze_schedule", "model.lora",
     "model.optimizer", "model.lr_scheduler", "trainer.default_root_dir",
+    "data.init_args.long_source", "data.init_args.long_seq_len", "data.init_args.long_every",
+    "data.init_args.long_batch_size",
 )  # fmt: skip
+# the long blocks of end-to-end training each variant takes (its SmolLM2 counterpart's mix)
+LONG_MIX = {"llama2_b09_hybrid": 4096, "qwen2_05b_b05_hybrid": 2048, "qwen2_7b_b09_hybrid": 4096}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,9 @@ def test_hybrid_variant_changes_only_the_operator_and_its_training(name, parsed)
     assert (transfer.long_source, transfer.long_seq_len, transfer.long_batch_size) == ("embedded:shakespeare", 4096, 1)
     assert transfer.long_samples >= 4
     assert model.distill == base.model.distill
+    data = config.data.init_args
+    long_mix = (data.long_source, data.long_seq_len, data.long_every, data.long_batch_size)
+    assert long_mix == ("embedded:shakespeare", LONG_MIX[name], 2, 1)
     assert model.optimizer.class_path == "torch.optim.AdamW" and model.optimizer.init_args.lr == 0.005
     assert model.lr_scheduler.init_args.T_max == config.trainer.max_steps
 
