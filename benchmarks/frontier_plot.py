@@ -1,13 +1,17 @@
 """The frontier: cache against long-document perplexity, every operator and policy of several sweeps.
 
     python benchmarks/frontier_plot.py SWEEP.json [SWEEP.json ...] [--length 2048] [--output DIR]
+                                       [--skip-model TEXT ...]
 
 Each ``rfkit sweep`` result (run with ``--long``) gives points: its rows (policy x operator x beta,
 trained models and their state-off twins included), at their cache ratio (cache bytes per token
 after the sweep's ``--cache-length`` tokens, over the original's) and their perplexity ratio on
 the long documents of ``--length`` tokens. Points of the same policy and operator across betas
-are joined; a row that a later file measures again (same label and beta) is taken from the first. Sweeps must measure the same long documents (source, lengths and blocks), or their
-ratios are not comparable: the script refuses to mix them.
+are joined; a row that a later file measures again (same label and beta) is taken from the first.
+A sweep that scored several trained models of one label (lever fits) gives the first of them;
+``--skip-model TEXT`` leaves out the trained rows whose model path contains TEXT, so that the one
+wanted comes first. Sweeps must measure the same long documents (source, lengths and blocks), or
+their ratios are not comparable: the script refuses to mix them.
 
 Writes ``frontier.png`` and ``frontier.json`` (every point, its source file, and provenance) into
 ``--output`` (default ``benchmarks/results/frontier``).
@@ -31,8 +35,9 @@ def _label(row: dict) -> str:
     return f"{row['policy']} + {row['operator']}{trained}"
 
 
-def points(paths: list[Path], length: int) -> tuple[list[dict], dict]:
-    """Every row with a long-document ratio at ``length``, and the long-document settings shared by all."""
+def points(paths: list[Path], length: int, skip: tuple[str, ...] = ()) -> tuple[list[dict], dict]:
+    """Every row with a long-document ratio at ``length`` (none of a model whose path contains a
+    ``skip`` text), and the long-document settings shared by all."""
     key, shared, out = f"@{length}", None, []
     for path in paths:
         sweep = json.loads(Path(path).read_text())
@@ -46,7 +51,7 @@ def points(paths: list[Path], length: int) -> tuple[list[dict], dict]:
             raise SystemExit(f"{path}: long documents {settings} differ from the first file's {shared}; ratios would not compare")
         for row in sweep["rows"]:
             ratio = next((v for k, v in (row.get("long_ppl_ratio") or {}).items() if k.endswith(key)), None)
-            if ratio is None or row.get("cache_ratio") is None:
+            if ratio is None or row.get("cache_ratio") is None or any(t in row.get("model", "") for t in skip):
                 continue
             if any(p["label"] == _label(row) and p["beta"] == row["beta"] for p in out):
                 continue  # the same row measured again by a later sweep (the first file's is kept)
@@ -81,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweeps", nargs="+", type=Path)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/frontier"))
+    parser.add_argument("--skip-model", action="append", default=[], help="leave out trained models whose path contains this (repeatable)")
     args = parser.parse_args(argv)
     started = time.time()
-    pts, long = points(args.sweeps, args.length)
+    pts, long = points(args.sweeps, args.length, tuple(args.skip_model))
     args.output.mkdir(parents=True, exist_ok=True)
     plot(pts, args.length, args.output / "frontier.png")
-    result = stamp({"length": args.length, "long": long, "sources": [str(p) for p in args.sweeps], "points": pts}, started)
+    sources = [str(p) for p in args.sweeps]
+    result = stamp({"length": args.length, "long": long, "sources": sources, "skipped": args.skip_model, "points": pts}, started)
     atomic_write_json(args.output / "frontier.json", result)
     print(f"{len(pts)} points from {len(args.sweeps)} sweeps -> {args.output / 'frontier.png'}")
     return 0

@@ -33,3 +33,23 @@ def test_sweeps_measured_on_other_long_documents_are_not_mixed(tmp_path):
         script.main([str(SWEEP), str(path), "--output", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="no long documents of 4096 tokens"):
         script.main([str(SWEEP), "--length", "4096", "--output", str(tmp_path / "out")])
+
+
+def test_skip_model_leaves_out_one_trained_model_of_a_shared_label(tmp_path):
+    sweep = ROOT / "benchmarks" / "results" / "levers_smollm2_recall" / "sweep.json"
+    rows = json.loads(sweep.read_text())["rows"]
+    script = load_script("benchmarks/frontier_plot.py")
+    # two trained models share a label at beta 0.75: without --skip-model the first one is drawn
+    assert script.main([str(sweep), "--length", "8192", "--output", str(tmp_path / "all")]) == 0
+    first = [r for r in rows if r.get("trained") and r["beta"] == 0.75 and not r["operator"].endswith("state off")]
+    assert len(first) == 2
+    drawn = json.loads((tmp_path / "all" / "frontier.json").read_text())["points"]
+    trained = [p for p in drawn if p["beta"] == 0.75 and p["label"].endswith("trained")]
+    assert [p["ppl_ratio"] for p in trained] == [first[0]["long_ppl_ratio"]["shakespeare@8192"]]
+    skip = first[0]["model"].split("/")[1]  # its run directory
+    assert script.main([str(sweep), "--length", "8192", "--skip-model", skip, "--output", str(tmp_path / "one")]) == 0
+    result = json.loads((tmp_path / "one" / "frontier.json").read_text())
+    trained = [p for p in result["points"] if p["beta"] == 0.75 and p["label"].endswith("trained")]
+    assert [p["ppl_ratio"] for p in trained] == [first[1]["long_ppl_ratio"]["shakespeare@8192"]]
+    assert result["skipped"] == [skip]
+
