@@ -16,7 +16,7 @@ LENGTHS = ("2048", "8192")
 
 # (run directory under runs/, what differs from smollm2_b075, the fit's summary, its passkey result)
 LEVERS = (
-    ("smollm2_b075_sl", "none: `recipes/smollm2_b075.yaml` (decay horizon 128, 2,048-token blocks, no LoRA)", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json"),
+    ("smollm2_b075_sl", "none: `recipes/smollm2_b075.yaml` as first shipped (decay horizon 128, 2,048-token blocks, 48 steps, no LoRA)", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json"),
     ("lever_b075_decay1024", "decay horizon 1,024 tokens (`--model.operator.init_args.decay_horizon 1024`)", "levers_smollm2/fit_decay1024.json", "levers_smollm2/passkey_decay1024.json"),
     ("lever_b075_lora", "LoRA r 8 on the kept projections (`--model.lora.r 8 --model.lora.alpha 8`)", "levers_smollm2/fit_lora.json", "levers_smollm2/passkey_lora.json"),
     ("lever_b075_long4096", "4,096-token long blocks (`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`)", "levers_smollm2/fit_long4096.json", "levers_smollm2/passkey_long4096.json"),
@@ -26,7 +26,7 @@ LEVERS = (
 LATER = {"lever_b075_state32": "levers_smollm2_state32/sweep.json"}
 PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 # (run directory, beta label) of the state-off table; beta 0.9 comes from B09_SWEEP
-STATE_OFF = (("smollm2_b05", "0.5, `smollm2_b05` (make demo)"), ("smollm2_b075_sl", "0.75, `smollm2_b075`"))
+STATE_OFF = (("smollm2_b05", "0.5, `smollm2_b05` (make demo)"), ("smollm2_b075_sl", "0.75, `smollm2_b075` as first shipped"))
 B09_RUN = ("smollm2_b09_sl", "0.9, `smollm2_b075` at beta 0.9")
 
 # the Mamba rows: (run directory, label, fit summary). The new rows' perplexity and state-off rows
@@ -122,11 +122,11 @@ COMBINED = "levers_smollm2_combined"
 LONG = "`--data.long_seq_len 4096 --model.transfer.long_seq_len 4096`"
 # (run directory, beta, what differs from the beta's recipe, fit summary, passkey result, sweep)
 TOGETHER = (
-    ("smollm2_b075_sl", "0.75", "none: `recipes/smollm2_b075.yaml`", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json", SWEEP),
+    ("smollm2_b075_sl", "0.75", "none: `recipes/smollm2_b075.yaml` as first shipped (2,048-token blocks, 48 steps)", "fit_smollm2_b075_sl/summary.json", "passkey_smollm2_b075_sl.json", SWEEP),
     ("lever_b075_long4096", "0.75", f"4,096-token blocks ({LONG})", "levers_smollm2/fit_long4096.json", "levers_smollm2/passkey_long4096.json", SWEEP),
     ("lever_b075_lora_long4096", "0.75", "4,096-token blocks and LoRA r 8 (`--model.lora.r 8 --model.lora.alpha 8`)", f"{COMBINED}/fit_b075_lora_long4096.json", f"{COMBINED}/passkey_b075_lora_long4096.json", f"{COMBINED}/sweep.json"),
-    ("smollm2_b09_sl", "0.9", "2,048-token blocks: `recipes/smollm2_b09.yaml` before this table (`--data.long_seq_len 2048 --model.transfer.long_seq_len 2048`)", "fit_smollm2_b09_sl/summary.json", f"{COMBINED}/passkey_b09_sl.json", B09_SWEEP),
-    ("lever_b09_long4096", "0.9", "4,096-token blocks: `recipes/smollm2_b09.yaml` now", f"{COMBINED}/fit_b09_long4096.json", f"{COMBINED}/passkey_b09_long4096.json", f"{COMBINED}/sweep.json"),
+    ("smollm2_b09_sl", "0.9", "2,048-token blocks, 48 steps: `recipes/smollm2_b09.yaml` as first shipped", "fit_smollm2_b09_sl/summary.json", f"{COMBINED}/passkey_b09_sl.json", B09_SWEEP),
+    ("lever_b09_long4096", "0.9", "4,096-token blocks, 48 steps: `recipes/smollm2_b09.yaml` before 72 steps", f"{COMBINED}/fit_b09_long4096.json", f"{COMBINED}/passkey_b09_long4096.json", f"{COMBINED}/sweep.json"),
     ("lever_b09_lora_long4096", "0.9", "4,096-token blocks and LoRA r 8", f"{COMBINED}/fit_b09_lora_long4096.json", f"{COMBINED}/passkey_b09_lora_long4096.json", f"{COMBINED}/sweep.json"),
 )
 CONTROL_RUN = ("lever_b0_lora_long4096", f"{COMBINED}/fit_b0_lora_long4096.json", f"{COMBINED}/passkey_b0_lora_long4096.json")
@@ -168,4 +168,43 @@ def recovery_levers_together() -> str:
     run, fit_file, passkey = CONTROL_RUN
     lines.append(f"| 0 | the LoRA control: the original with the same adapters and training (`--model.policy.init_args.beta 0`) | {_cells(adapted)[0]} | {' / '.join(_cells(adapted)[1:])} | - | {passkey_cells(load(passkey))} | 1.000 / 1.000 / 1.000 | {_minutes(load(fit_file))} |")
     lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - | - |")
+    return "\n".join(lines)
+
+
+# planted recall (data.long_recall) and more steps: one more sweep with the lever sweep's
+# arguments scores the new models; its original must equal the lever sweeps' (the same blocks)
+RECALL = "levers_smollm2_recall"
+RECALL_FLAGS = "`--data.long_recall 8 --model.distill.recall 1`"
+STEPS_FLAGS = "`--trainer.max_steps 72 --model.lr_scheduler.init_args.T_max 72`"
+RECALL_ROWS = (
+    TOGETHER[0],
+    ("lever_b075_recall8", "0.75", f"planted recall, 8 records in each long block ({RECALL_FLAGS})", f"{RECALL}/fit_b075_recall8.json", f"{RECALL}/passkey_b075_recall8.json", f"{RECALL}/sweep.json"),
+    TOGETHER[1],
+    ("lever_b075_long4096_steps72", "0.75", f"4,096-token blocks and 72 steps instead of 48: `recipes/smollm2_b075.yaml` now ({STEPS_FLAGS})", f"{RECALL}/fit_b075_long4096_steps72.json", f"{RECALL}/passkey_b075_long4096_steps72.json", f"{RECALL}/sweep.json"),
+    TOGETHER[4],
+    ("lever_b09_long4096_steps72", "0.9", f"72 steps instead of 48: `recipes/smollm2_b09.yaml` now ({STEPS_FLAGS})", f"{RECALL}/fit_b09_steps72.json", f"{RECALL}/passkey_b09_steps72.json", f"{RECALL}/sweep.json"),
+)
+
+
+@table("recovery_recall_steps")
+def recovery_recall_steps() -> str:
+    """Planted recall at beta 0.75 and more steps at 0.75 and 0.9, each beside the row it changes, the training-free rows and the original's passkeys."""
+    sweep = load(f"{RECALL}/sweep.json")
+    for other in (SWEEP, f"{COMBINED}/sweep.json"):
+        if load(other)["original"] != sweep["original"]:
+            raise ValueError(f"{RECALL}/sweep.json: its original differs from {other}'s; the rows would not compare")
+    lines = [
+        "| beta | lever (measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run, beta, label, fit_file, passkey, sweep_file in RECALL_ROWS:
+        on, off = _run_rows(load(sweep_file), run, sweep_file)
+        cells = _cells(_ratios(on))
+        keys = passkey_cells(load(passkey))
+        lines.append(f"| {beta} | {label} | {cells[0]} | {' / '.join(cells[1:])} | {_lengths(off)} | {keys} | {_minutes(load(fit_file))} |")
+    for beta in ("0.75", "0.9"):
+        free = next(r for r in sweep["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta)
+        cells = _cells(_ratios(free))
+        lines.append(f"| {beta} | training-free {short(free['operator'])}, the same heads, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
+    lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - |")
     return "\n".join(lines)
