@@ -64,40 +64,46 @@ def demo_precision(demo: dict) -> str:
 
 
 
-# beta 0.75: the default recipe with each ranking, trained, against the same rankings training-free
-# (one sweep measures all of them on the same blocks); the fits' own summaries give their wall time
+# beta 0.75 and 0.9: each recipe trained, against both rankings training-free at the same bytes.
+# The training-free rows come from the first sweep at that beta, the trained rows from the sweep
+# that scored the recipe's fit; both sweeps ran with the same arguments, so on the same blocks
+# (checked: the original's perplexities must be equal). The fits' own summaries give their wall time
 B075_SWEEP = "trained_smollm2_b075/sweep.json"
-B075_FITS = {"RecencyRatioPolicy": "fit_smollm2_b075_rr/summary.json", "StreamedLossPolicy": "fit_smollm2_b075_sl/summary.json"}
-B075_SPEED = "speed_bf16/converted_b075.json"
-B075_PASSKEY = {"RecencyRatioPolicy": "passkey_smollm2_b075_rr.json", "StreamedLossPolicy": "passkey_smollm2_b075_sl.json"}
+B075_TRAINED = ("levers_smollm2_recall/sweep.json", "runs/lever_b075_long4096_steps72/")
+B075_FITS = {"StreamedLossPolicy": "levers_smollm2_recall/fit_b075_long4096_steps72.json"}
+B075_SPEED = "speed_bf16/converted_b075_recipe.json"
+B075_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b075_long4096_steps72.json"}
 B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 _POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
+B09_SWEEP = "trained_smollm2_b09/sweep.json"
+B09_TRAINED = ("levers_smollm2_recall/sweep.json", "runs/lever_b09_long4096_steps72/")
+B09_FITS = {"StreamedLossPolicy": "levers_smollm2_recall/fit_b09_steps72.json"}
+B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b09_steps72.json"}
+
+
+def _merged(free_file: str, trained: tuple[str, str]) -> dict:
+    """The training-free rows of ``free_file`` and the rows of the model under ``run`` from
+    ``trained_file``, as one sweep (the two must have measured the same original)."""
+    (trained_file, run), free = trained, load(free_file)
+    scored = load(trained_file)
+    if scored["original"] != free["original"]:
+        raise ValueError(f"{trained_file} and {free_file} measured different blocks")
+    rows = [r for r in free["rows"] if not r.get("trained")] + [r for r in scored["rows"] if run in r.get("model", "")]
+    return {**free, "rows": rows}
 
 
 @table("front_b075")
 def front_b075() -> str:
     passkey = {p: load(f) for p, f in B075_PASSKEY.items()}
-    return _beta_table(0.75, B075_SWEEP, B075_FITS, load(B075_SPEED), passkey, load(B075_PASSKEY_ORIGINAL))
-
-
-# beta 0.9: recipes/smollm2_b09.yaml (4,096-token blocks) trained, measured by the levers sweep,
-# against both rankings training-free from the first beta 0.9 sweep: the same sweep arguments, so
-# the same blocks (checked: the original's perplexities must be equal)
-B09_SWEEP = "trained_smollm2_b09/sweep.json"
-B09_TRAINED = ("levers_smollm2_combined/sweep.json", "runs/lever_b09_long4096/")
-B09_FITS = {"StreamedLossPolicy": "levers_smollm2_combined/fit_b09_long4096.json"}
-B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_combined/passkey_b09_long4096.json"}
+    sweep = _merged(B075_SWEEP, B075_TRAINED)
+    return _beta_table(0.75, sweep, B075_FITS, load(B075_SPEED), passkey, load(B075_PASSKEY_ORIGINAL))
 
 
 @table("front_b09")
 def front_b09() -> str:
-    free, (trained_file, run) = load(B09_SWEEP), B09_TRAINED
-    trained = load(trained_file)
-    if trained["original"] != free["original"]:
-        raise ValueError(f"{trained_file} and {B09_SWEEP} measured different blocks")
-    rows = [r for r in free["rows"] if not r.get("trained")] + [r for r in trained["rows"] if run in r.get("model", "")]
     passkey = {p: load(f) for p, f in B09_PASSKEY.items()}
-    return _beta_table(0.9, {**free, "rows": rows}, B09_FITS, passkey=passkey, passkey_original=load(B075_PASSKEY_ORIGINAL))
+    sweep = _merged(B09_SWEEP, B09_TRAINED)
+    return _beta_table(0.9, sweep, B09_FITS, passkey=passkey, passkey_original=load(B075_PASSKEY_ORIGINAL))
 
 
 def passkey_cells(result: dict) -> str:
