@@ -84,8 +84,8 @@ B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b09_steps72.
 def _merged(free_file: str, trained: tuple[str, str]) -> dict:
     """The training-free rows of ``free_file`` and the rows of the model under ``run`` from
     ``trained_file``, as one sweep (the two must have measured the same original)."""
-    (trained_file, run), free = trained, load(free_file)
-    scored = load(trained_file)
+    trained_file, run = trained
+    free, scored = load(free_file), load(trained_file)
     if scored["original"] != free["original"]:
         raise ValueError(f"{trained_file} and {free_file} measured different blocks")
     rows = [r for r in free["rows"] if not r.get("trained")] + [r for r in scored["rows"] if run in r.get("model", "")]

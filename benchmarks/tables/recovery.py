@@ -141,6 +141,27 @@ def _cells(ratios: list[float]) -> list[str]:
     return [f"{r:.3f}" for r in ratios]
 
 
+def _lever_line(entry: tuple, extra=lambda on: []) -> str:
+    """One trained lever's row: ``(run, beta, label, fit summary, passkey result, sweep)``, its
+    ratios, state-off ratios and passkeys, then ``extra(row)``'s cells, then the fit's time."""
+    run, beta, label, fit_file, passkey, sweep_file = entry
+    on, off = _run_rows(load(sweep_file), run, sweep_file)
+    cells = _cells(_ratios(on))
+    middle = [cells[0], " / ".join(cells[1:]), _lengths(off), passkey_cells(load(passkey)), *extra(on)]
+    return f"| {beta} | {label} | " + " | ".join(middle) + f" | {_minutes(load(fit_file))} |"
+
+
+def _free_lines(sweep: dict, blanks: int) -> list[str]:
+    """The training-free row of each beta (0.75, 0.9) of ``sweep``, ``blanks`` empty cells after its ratios."""
+    lines = []
+    for beta in ("0.75", "0.9"):
+        free = next(r for r in sweep["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta)
+        cells = _cells(_ratios(free))
+        empty = " | ".join(["-"] * blanks)
+        lines.append(f"| {beta} | training-free {short(free['operator'])}, the same heads, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | {empty} | none |")
+    return lines
+
+
 @table("recovery_levers_together")
 def recovery_levers_together() -> str:
     """The levers together at beta 0.75 and 0.9, the training-free rows of each beta and the LoRA
@@ -155,16 +176,10 @@ def recovery_levers_together() -> str:
         "| beta | lever (measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | against the adapted original: Wikipedia / 2,048 / 8,192 | fit |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for run, beta, label, fit_file, passkey, sweep_file in TOGETHER:
-        on, off = _run_rows(load(sweep_file), run, sweep_file)
-        cells = _cells(_ratios(on))
-        against = " / ".join(_cells([c / a for c, a in zip(_ratios(on), adapted)])) if "lora" in run else "-"
-        keys = passkey_cells(load(passkey))
-        lines.append(f"| {beta} | {label} | {cells[0]} | {' / '.join(cells[1:])} | {_lengths(off)} | {keys} | {against} | {_minutes(load(fit_file))} |")
-    for beta in ("0.75", "0.9"):
-        free = next(r for r in combined["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta)
-        cells = _cells(_ratios(free))
-        lines.append(f"| {beta} | training-free {short(free['operator'])}, the same heads, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | - | none |")
+    for entry in TOGETHER:
+        lora = "lora" in entry[0]
+        lines.append(_lever_line(entry, lambda on: [" / ".join(_cells([c / a for c, a in zip(_ratios(on), adapted)])) if lora else "-"]))
+    lines += _free_lines(combined, 3)
     run, fit_file, passkey = CONTROL_RUN
     lines.append(f"| 0 | the LoRA control: the original with the same adapters and training (`--model.policy.init_args.beta 0`) | {_cells(adapted)[0]} | {' / '.join(_cells(adapted)[1:])} | - | {passkey_cells(load(passkey))} | 1.000 / 1.000 / 1.000 | {_minutes(load(fit_file))} |")
     lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - | - |")
@@ -197,14 +212,7 @@ def recovery_recall_steps() -> str:
         "| beta | lever (measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for run, beta, label, fit_file, passkey, sweep_file in RECALL_ROWS:
-        on, off = _run_rows(load(sweep_file), run, sweep_file)
-        cells = _cells(_ratios(on))
-        keys = passkey_cells(load(passkey))
-        lines.append(f"| {beta} | {label} | {cells[0]} | {' / '.join(cells[1:])} | {_lengths(off)} | {keys} | {_minutes(load(fit_file))} |")
-    for beta in ("0.75", "0.9"):
-        free = next(r for r in sweep["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta)
-        cells = _cells(_ratios(free))
-        lines.append(f"| {beta} | training-free {short(free['operator'])}, the same heads, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
+    lines += [_lever_line(entry) for entry in RECALL_ROWS]
+    lines += _free_lines(sweep, 2)
     lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - |")
     return "\n".join(lines)
