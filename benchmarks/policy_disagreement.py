@@ -32,9 +32,10 @@ def report(head_map: HeadMap, betas: list[float]) -> dict:
     # selection reads the head counts only
     layout = AttentionLayout("head map", head_map.num_layers, head_map.num_heads, head_map.num_kv_heads, 1, head_map.num_heads)
     delta = measured_delta(head_map)
+    weight = head_map.policy.get("recall_weight", 0.0)  # planted records: the ranking's own weight
     rows = []
     for beta in betas:
-        d = disagreement(layout, head_map, beta)
+        d = disagreement(layout, head_map, beta, recall_weight=weight)
         cost_loss = sum(r["delta"] for r in d["only_streamed_loss"])
         cost_rr = sum(r["delta"] for r in d["only_recency"])
         rows.append({**d, "extra_loss_of_recency_choice": round(cost_rr - cost_loss, 6)})

@@ -29,7 +29,7 @@ ratio with the same calibration data, so the head map holds both rankings side b
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,9 @@ from tqdm.auto import tqdm
 
 from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
 from rfkit.conversion.profile import HeadProfile, capture_attention, profile_heads
+from rfkit.data.recall import RecallPlanter
 from rfkit.models.layout import AttentionLayout
-from rfkit.validate import positive_int
+from rfkit.validate import in_range, positive_int
 
 
 STREAM_ATTENTION = "rfkit_streamed_probe"
@@ -87,20 +88,34 @@ class _Replay(torch.nn.Module):
         return self.output
 
 
-def _token_loss(model, ids: torch.Tensor) -> torch.Tensor:
+def _token_loss(model, ids: torch.Tensor, answers: torch.Tensor | None = None) -> tuple[float, float]:
     """Summed next-token cross-entropy of ``ids`` (B, L) under ``model``, in float32 (float64
-    for a float64 model)."""
+    for a float64 model), and the part of it on the tokens ``answers`` (B, L) marks (0 without)."""
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+    each = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    answer = float(each[answers[:, 1:].reshape(-1)].sum()) if answers is not None else 0.0
+    return float(each.sum()), answer
+
+
+class StreamedLosses(NamedTuple):
+    """What :func:`streamed_losses` measured: mean next-token loss of the model (``base``) and
+    with each unit streamed (``losses``) over ``tokens`` predicted tokens, and the same means
+    over the ``answers`` tokens the batches' ``answer_mask`` marks (0.0 each when none)."""
+
+    base: float
+    losses: list[float]
+    tokens: int
+    answer_base: float
+    answer_losses: list[float]
+    answers: int
 
 
 @torch.no_grad()
-def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: int, recent: int, progress: bool = True):
-    """Mean next-token loss of ``model`` on ``batches`` (dicts with ``input_ids`` (B, L)), and
-    for every unit ``(layer, query heads)`` the mean loss with those heads alone streamed.
-
-    Returns ``(baseline, [loss per unit], tokens)``.
+def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: int, recent: int, progress: bool = True) -> StreamedLosses:
+    """Mean next-token loss of ``model`` on ``batches`` (dicts with ``input_ids`` (B, L) and
+    optionally ``answer_mask`` (B, L)), and for every unit ``(layer, query heads)`` the mean loss
+    with those heads alone streamed; the same on the answer tokens alone where batches mark them.
     """
     from rfkit.models.modeling import decoder_layers
 
@@ -108,7 +123,9 @@ def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: in
     device = next(model.parameters()).device
     probe = _StreamProbe(sink, recent)
     ids_list = [b["input_ids"].to(device) for b in batches]
+    masks = [b["answer_mask"].to(device) if "answer_mask" in b else None for b in batches]
     tokens = sum(ids.shape[0] * (ids.shape[1] - 1) for ids in ids_list)
+    answers = sum(int(m[:, 1:].sum()) for m in masks if m is not None)
     was_training = model.training
     model.eval()
     outputs: list[list] = [[None] * len(layers) for _ in ids_list]  # per batch, per layer
@@ -121,37 +138,40 @@ def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: in
 
         return hook
 
-    losses = []
+    losses, answer_losses = [], []
     try:
         with capture_attention(model, probe, STREAM_ATTENTION, "rfkit streamed-loss attention called outside a measurement"):
             hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
-            base = 0.0
+            base = answer_base = 0.0
             for b, ids in enumerate(ids_list):
                 current["batch"] = b
-                base += float(_token_loss(model, ids))
+                loss, answer = _token_loss(model, ids, masks[b])
+                base, answer_base = base + loss, answer_base + answer
             for h in hooks:
                 h.remove()
             hooks = []
             bar = tqdm(units, desc="streaming each unit", unit="unit", disable=not progress)
             for layer, heads in bar:
                 probe.layer, probe.heads = layer, list(heads)
-                total = 0.0
+                total = answer_total = 0.0
                 for b, ids in enumerate(ids_list):
                     originals = [layers[i] for i in range(layer)]
                     for i in range(layer):
                         layers[i] = _Replay(outputs[b][i])
                     try:
-                        total += float(_token_loss(model, ids))
+                        loss, answer = _token_loss(model, ids, masks[b])
+                        total, answer_total = total + loss, answer_total + answer
                     finally:
                         for i, original in enumerate(originals):
                             layers[i] = original
                 losses.append(total / tokens)
+                answer_losses.append(answer_total / answers if answers else 0.0)
     finally:
         for h in hooks:
             h.remove()
         probe.layer, probe.heads = None, []
         model.train(was_training)
-    return base / tokens, losses, tokens
+    return StreamedLosses(base / tokens, losses, tokens, answer_base / answers if answers else 0.0, answer_losses, answers)
 
 
 class StreamedLossPolicy(RecencyRatioPolicy):
@@ -176,6 +196,16 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             that averages over the whole context can be streamed for free in a 512-token block
             and still be needed at 8k. None (default): the calibration blocks.
         long_seq_len: Tokens per block of ``long_source``.
+        recall: Records planted in each measured block (0, the default: none), each recalled at
+            least ``recall_gap`` tokens later (:mod:`rfkit.data.recall`, the training mix's
+            ``data.long_recall``). The loss increase on the recalled numbers' tokens is
+            measured beside the text's: a head that copies from far back costs little on
+            ordinary text and everything on a passkey (DuoAttention ranks its heads on synthetic
+            retrieval for this reason). Needs the recipe's data section and a fast tokenizer.
+        recall_gap: Fewest tokens between a record and its recall line (default 256).
+        recall_weight: How the two increases add up when units are ranked: text increase +
+            ``recall_weight`` x answer increase (mean nats per token each; default 0.1). Read
+            at selection time, so another weight reuses a cached measurement.
         window, alpha, beta, exclude_first_token, granularity, scope, keep_layers,
         allow_all_heads: as in :class:`RecencyRatioPolicy`.
     """
@@ -187,6 +217,9 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         blocks: int = 8,
         long_source: str | None = None,
         long_seq_len: int = 2048,
+        recall: int = 0,
+        recall_gap: int = 256,
+        recall_weight: float = 0.1,
         window: int = 51,
         alpha: float = 0.5,
         beta: float = 0.5,
@@ -203,8 +236,12 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         positive_int("model.policy.long_seq_len", long_seq_len, 2, error=PolicyError, message="{field}: {value!r} is not allowed; long_seq_len must be an integer >= {minimum}")
         if long_source is not None and (not isinstance(long_source, str) or not long_source.strip()):
             raise PolicyError(f"model.policy.long_source: {long_source!r} is not allowed; give a data source (a path, URL or embedded:NAME) or null")
+        positive_int("model.policy.recall", recall, 0, error=PolicyError, message="{field}: {value!r} is not allowed; recall must be an integer >= {minimum} (records per measured block)")
+        positive_int("model.policy.recall_gap", recall_gap, 0, error=PolicyError, message="{field}: {value!r} is not allowed; recall_gap must be an integer >= {minimum}")
+        in_range("model.policy.recall_weight", recall_weight, 0, finite=True, error=PolicyError, message="{field}: {value!r} is not allowed; recall_weight must be a finite number >= 0")
         self.sink, self.recent, self.blocks = int(sink), int(recent), int(blocks)
         self.long_source, self.long_seq_len = long_source, int(long_seq_len)
+        self.recall, self.recall_gap, self.recall_weight = int(recall), int(recall_gap), float(recall_weight)
 
     def profile_settings(self) -> dict:
         return {
@@ -215,7 +252,12 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             "blocks": self.blocks,
             "granularity": self.granularity,
             **({"long_source": self.long_source, "long_seq_len": self.long_seq_len} if self.long_source else {}),
+            **({"recall": self.recall, "recall_gap": self.recall_gap} if self.recall else {}),
         }
+
+    def describe(self) -> dict:
+        # the weight decides the ranking but not the measurement (not in profile_settings)
+        return {**super().describe(), **({"recall_weight": self.recall_weight} if self.recall else {})}
 
     def make_profile(self, model, batches, progress: bool = True, datamodule=None) -> HeadProfile:
         batches = list(batches)
@@ -230,11 +272,17 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             for layer in range(layout.num_layers)
             for u in range(per_layer)
         ]
-        base, losses, tokens = streamed_losses(model, measured, units, self.sink, self.recent, progress)
+        got = streamed_losses(model, measured, units, self.sink, self.recent, progress)
         delta = [[0.0] * per_layer for _ in range(layout.num_layers)]
-        for (layer, heads), loss in zip(units, losses):
+        delta_recall = [[0.0] * per_layer for _ in range(layout.num_layers)]
+        for (layer, heads), loss, answer in zip(units, got.losses, got.answer_losses):
             unit = layout.kv_head_of(heads[0]) if self.granularity == "kv_group" else heads[0]
-            delta[layer][unit] = round(loss - base, 7)
+            delta[layer][unit] = round(loss - got.base, 7)
+            delta_recall[layer][unit] = round(answer - got.answer_base, 7)
+        recall = {
+            "recall": {"records": self.recall, "gap": self.recall_gap, "answers": got.answers,
+                       "baseline_loss": round(got.answer_base, 7), "delta": delta_recall},
+        } if self.recall else {}  # fmt: skip
         profile.meta = {**profile.meta, "measured": {
             "name": MEASURE,
             "what": "increase of mean next-token loss (nats) when the unit alone keeps only its sink + recent tokens",
@@ -244,9 +292,10 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             "source": self.long_source or "calibration",
             "seq_len": int(measured[0]["input_ids"].shape[1]),
             "blocks": total,
-            "tokens": tokens,
-            "baseline_loss": round(base, 7),
+            "tokens": got.tokens,
+            "baseline_loss": round(got.base, 7),
             "delta": delta,
+            **recall,
         }}  # fmt: skip
         return profile
 
@@ -259,17 +308,27 @@ class StreamedLossPolicy(RecencyRatioPolicy):
                 if total >= self.blocks:
                     break
                 ids = batch["input_ids"][: self.blocks - total]
-                out.append({"input_ids": ids})
+                out.append((ids, range(total, total + ids.shape[0])))
                 total += ids.shape[0]
-            return out
+        else:
+            if datamodule is None:
+                raise PolicyError("model.policy.long_source: reading long blocks needs the recipe's data section (its tokeniser)")
+            blocks = datamodule.other_train_blocks(self.long_source, self.long_seq_len, "model.policy.")
+            picks = torch.linspace(0, len(blocks) - 1, min(self.blocks, len(blocks))).round().long().unique()
+            out = [(blocks[i : i + 1], [i]) for i in picks.tolist()]
+        if not self.recall:
+            return [{"input_ids": ids} for ids, _rows in out]
         if datamodule is None:
-            raise PolicyError("model.policy.long_source: reading long blocks needs the recipe's data section (its tokeniser)")
-        blocks = datamodule.other_train_blocks(self.long_source, self.long_seq_len, "model.policy.")
-        picks = torch.linspace(0, len(blocks) - 1, min(self.blocks, len(blocks))).round().long().unique()
-        return [{"input_ids": blocks[i : i + 1]} for i in picks.tolist()]
+            raise PolicyError("model.policy.recall: planting records needs the recipe's data section (its tokeniser)")
+        planter = RecallPlanter(datamodule.tokenizer, self.recall, self.recall_gap, datamodule.seed, field="model.policy.recall")
+        planted = [planter.batch(ids, rows) for ids, rows in out]
+        if not any(bool(b["answer_mask"].any()) for b in planted):
+            length = out[0][0].shape[1]
+            raise PolicyError(f"model.policy.recall: no record fits a measured block of {length} tokens with recall_gap {self.recall_gap}; measure on longer blocks (long_source, long_seq_len) or lower recall_gap")
+        return planted
 
     def unit_scores(self, layout: AttentionLayout, profile: HeadProfile) -> dict[tuple[int, int], tuple[float, float]]:
-        delta = measured_delta(profile)
+        delta = measured_cost(profile, self.recall_weight)
         recency = super().unit_scores(layout, profile)
         # highest score replaced first: the smallest loss increase, then the most recency-aware
         return {key: (-delta[key[0]][key[1]], recency[key][0]) for key in recency}
@@ -284,13 +343,25 @@ def measured_delta(profile) -> list[list[float]]:
     return measured["delta"]
 
 
-def disagreement(layout: AttentionLayout, profile, beta: float) -> dict:
+def measured_cost(profile, recall_weight: float) -> list[list[float]]:
+    """What the ranking reads per unit: the text loss increase, plus ``recall_weight`` times the
+    answer tokens' increase where records were planted (the text increase alone otherwise)."""
+    delta = measured_delta(profile)
+    measured = getattr(profile, "measured", None) or profile.meta["measured"]
+    recall = (measured.get("recall") or {}).get("delta")
+    if not recall:
+        return delta
+    return [[d + recall_weight * r for d, r in zip(row, rrow)] for row, rrow in zip(delta, recall)]
+
+
+def disagreement(layout: AttentionLayout, profile, beta: float, recall_weight: float = 0.1) -> dict:
     """Where the recency ranking and the measured-loss ranking part at ``beta`` (KV groups, one
     global ranking): the groups each replaces that the other keeps, with their RA-I, mean RR and
     loss increase. ``profile`` is a :class:`StreamedLossPolicy` profile or a head map it made
-    (both hold the recency profile and the measured losses)."""
+    (both hold the recency profile and the measured losses); ``recall_weight`` as the policy's
+    when records were planted."""
     settings = {"window": profile.window, "alpha": profile.alpha, "beta": beta, "exclude_first_token": profile.exclude_first_token}
-    by_loss = _groups(layout, StreamedLossPolicy(**settings).select(layout, profile))
+    by_loss = _groups(layout, StreamedLossPolicy(**settings, recall_weight=recall_weight).select(layout, profile))
     by_rr = _groups(layout, RecencyRatioPolicy(**settings).select(layout, profile))
     scores = RecencyRatioPolicy(**settings).unit_scores(layout, profile)
     delta = measured_delta(profile)

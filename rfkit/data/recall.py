@@ -55,11 +55,12 @@ class RecallPlanter:
         count: Records per block.
         gap: Fewest tokens between the end of a record and its recall line.
         seed: With the row index, fixes each block's records.
+        field: The setting that asked for records, named in errors.
     """
 
-    def __init__(self, tokenizer, count: int, gap: int, seed: int = 0):
+    def __init__(self, tokenizer, count: int, gap: int, seed: int = 0, field: str = "data.long_recall"):
         if not getattr(tokenizer, "is_fast", False):
-            raise SourceError("data.long_recall: needs a fast tokenizer (its offsets find the answers); use 0 with this tokenizer")
+            raise SourceError(f"{field}: needs a fast tokenizer (its offsets find the answers); use 0 with this tokenizer")
         self.tokenizer = tokenizer
         self.count = int(count)
         self.gap = int(gap)

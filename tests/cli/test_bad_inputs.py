@@ -176,6 +176,10 @@ CASES = [
     ("long-recall-without-long-source", "fit", ["--data.long_source", "null", "--data.long_recall", "4"], ["data.long_recall: plants records", "set data.long_source"]),
     ("recall-weight-without-records", "fit", ["--model.distill.recall", "1"],
      ["model.distill.recall: 1", "planted by data.long_recall, which is 0"]),  # fmt: skip
+    ("policy-recall-negative", "fit", ["--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.recall", "-1"],
+     ["model.policy.recall: -1 is not allowed", "integer >= 0"]),  # fmt: skip
+    ("policy-recall-weight-negative", "fit", ["--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.recall_weight", "-0.5"],
+     ["model.policy.recall_weight: -0.5 is not allowed", "finite number >= 0"]),  # fmt: skip
     # outputs that cannot be written (root ignores permission bits: these are truly unwritable)
     ("root-dir-under-a-file", "fit", ["--trainer.default_root_dir", "{in}/a_file/run"],
      ["trainer.default_root_dir: cannot create", "a_file' is a file, not a directory"]),  # fmt: skip

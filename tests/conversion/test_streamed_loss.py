@@ -12,7 +12,14 @@ import torch.nn.functional as F
 
 from helpers import load_script, random_ids, run_cli, tiny_args, tiny_model
 from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
-from rfkit.conversion.streamed_loss import StreamedLossPolicy, disagreement, streamed_losses, streaming_mask
+from rfkit.conversion.streamed_loss import (
+    StreamedLossPolicy,
+    disagreement,
+    measured_cost,
+    measured_delta,
+    streamed_losses,
+    streaming_mask,
+)
 from rfkit.models.layout import AttentionLayout
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import SinkRecentOperator
@@ -51,7 +58,7 @@ def test_each_units_loss_is_the_loss_of_the_model_with_that_unit_alone_sink_rece
     layout = AttentionLayout.from_config(model.config)
     units = [(layer, layout.query_heads_of(g)) for layer in range(layout.num_layers) for g in range(layout.num_kv_heads)]
     batches = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
-    base, losses, tokens = streamed_losses(model, batches, units, SINK, RECENT, progress=False)
+    base, losses, tokens, *_ = streamed_losses(model, batches, units, SINK, RECENT, progress=False)
     assert tokens == 3 * 39
     assert base == pytest.approx(_mean_loss(model, ids), abs=1e-10)
     for (layer, heads), loss in zip(units, losses):
@@ -61,6 +68,78 @@ def test_each_units_loss_is_the_loss_of_the_model_with_that_unit_alone_sink_rece
         assert loss != pytest.approx(base, abs=1e-6)  # streaming a unit changes the loss on 40 tokens
     # the model came back whole: its layers, attention and outputs are as before
     assert base == pytest.approx(_mean_loss(model, ids), abs=1e-10)
+
+
+def _answer_mean(model, ids, answers):
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].double()
+    each = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return float(each[answers[:, 1:].reshape(-1)].mean())
+
+
+@torch.no_grad()
+def test_answer_losses_are_the_marked_tokens_loss_with_that_unit_streamed():
+    """Where a batch marks answer tokens, each unit's loss on them alone is measured too: the
+    same number as the converted model's mean cross-entropy on those positions."""
+    model = tiny_model().double()
+    ids = random_ids(batch=2, length=40)
+    answers = torch.zeros(ids.shape, dtype=torch.bool)
+    answers[0, 30:33], answers[1, 20], answers[1, 0] = True, True, True  # token 0 is never predicted
+    layout = AttentionLayout.from_config(model.config)
+    units = [(layer, layout.query_heads_of(g)) for layer in range(layout.num_layers) for g in range(layout.num_kv_heads)]
+    got = streamed_losses(model, [{"input_ids": ids, "answer_mask": answers}], units, SINK, RECENT, progress=False)
+    assert got.answers == 4 and got.tokens == 2 * 39
+    assert got.answer_base == pytest.approx(_answer_mean(model, ids, answers), abs=1e-10)
+    for (layer, heads), answer in zip(units, got.answer_losses):
+        selected = [heads if i == layer else [] for i in range(layout.num_layers)]
+        converted = to_recurformer(copy.deepcopy(model), selected, SinkRecentOperator(sink=SINK, window=RECENT)).eval()
+        assert answer == pytest.approx(_answer_mean(converted, ids, answers), abs=1e-9), (layer, heads)
+    plain = streamed_losses(model, [{"input_ids": ids}], units, SINK, RECENT, progress=False)
+    assert plain.answers == 0 and plain.answer_losses == [0.0] * len(units) and plain.losses == got.losses
+
+
+def test_the_recall_weight_decides_between_text_and_answer_costs():
+    """Ranking reads text increase + recall_weight x answer increase: weight 0 ranks by the text,
+    a large weight by the answers; the measurement itself is the same (read at selection time)."""
+    model = tiny_model()
+    layout = AttentionLayout.from_config(model.config)
+    profile = StreamedLossPolicy(sink=SINK, recent=RECENT, blocks=1, window=4).make_profile(model, _batches(), progress=False)
+    text = profile.meta["measured"]["delta"]
+    # answers cost the opposite order of the text: the unit cheapest on text is the dearest on answers
+    order = sorted((text[layer][g], layer, g) for layer in range(layout.num_layers) for g in range(layout.num_kv_heads))
+    recall = [[0.0] * layout.num_kv_heads for _ in range(layout.num_layers)]
+    for rank, (_d, layer, g) in enumerate(order):
+        recall[layer][g] = float(len(order) - rank)
+    profile.meta["measured"]["recall"] = {"records": 1, "gap": 4, "answers": 3, "baseline_loss": 1.0, "delta": recall}
+
+    def replaced(weight):
+        chosen = StreamedLossPolicy(window=4, beta=0.5, recall=1, recall_weight=weight).select(layout, profile)
+        return {(layer, g) for layer, heads in enumerate(chosen) for g in range(layout.num_kv_heads) if layout.query_heads_of(g)[0] in heads}
+
+    by_text = {(layer, g) for _d, layer, g in order[:2]}
+    by_answers = {(layer, g) for _d, layer, g in order[2:]}
+    assert replaced(0.0) == by_text and replaced(1000.0) == by_answers
+    costs = measured_cost(profile, 0.5)
+    assert costs[order[0][1]][order[0][2]] == pytest.approx(order[0][0] + 0.5 * len(order))
+    assert measured_cost(profile, 0.5) != measured_delta(profile)
+
+
+def test_records_need_room_in_the_measured_blocks():
+    class Data:  # the recipe's data section as the policy reads it: a fast tokenizer and a seed
+        seed = 0
+
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+    from transformers import AutoTokenizer
+
+    from rfkit.hub import EMBEDDED_MODEL, resolve_model
+
+    data = Data(AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_MODEL)))
+    policy = StreamedLossPolicy(sink=SINK, recent=RECENT, blocks=2, window=4, recall=1, recall_gap=40)
+    with pytest.raises(PolicyError, match=r"^model\.policy\.recall: no record fits a measured block of 48 tokens with recall_gap 40"):
+        policy.make_profile(tiny_model(), _batches(), progress=False, datamodule=data)
+    with pytest.raises(PolicyError, match=r"^model\.policy\.recall: planting records needs the recipe's data section"):
+        policy.make_profile(tiny_model(), _batches(), progress=False)
 
 
 def _batches(n=2, length=48):
@@ -85,7 +164,7 @@ def test_the_policy_replaces_the_units_whose_streaming_costs_least_and_records_w
     assert chosen == cheapest
     # measured with the first block only: the same deltas as streamed_losses on it
     units = [(layer, layout.query_heads_of(g)) for layer in range(layout.num_layers) for g in range(layout.num_kv_heads)]
-    base, losses, _ = streamed_losses(model, _batches()[:1], units, SINK, RECENT, progress=False)
+    base, losses, *_ = streamed_losses(model, _batches()[:1], units, SINK, RECENT, progress=False)
     assert [round(x - base, 7) for x in losses] == [d for row in delta for d in row]
     # the comparison with the recency ranking names the groups each one alone replaces
     diff = disagreement(layout, profile, 0.5)
@@ -107,7 +186,9 @@ def test_long_blocks_need_the_recipes_data_section():
         StreamedLossPolicy(window=4, long_source="embedded:shakespeare").make_profile(tiny_model(), _batches(), progress=False)
 
 
-@pytest.mark.parametrize("field,value", [("sink", -1), ("recent", 0), ("blocks", 0), ("long_seq_len", 1)])
+@pytest.mark.parametrize(
+    "field,value", [("sink", -1), ("recent", 0), ("blocks", 0), ("long_seq_len", 1), ("recall", -1), ("recall_gap", -2), ("recall_weight", -1)]
+)
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(PolicyError, match=f"model.policy.{field}: {value}"):
         StreamedLossPolicy(**{field: value})
@@ -135,6 +216,36 @@ def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_
     assert measured["name"] == "streamed_loss" and measured["blocks"] == 2 and measured["recent"] == 8
     assert measured["source"] == str(tiny_corpus) and measured["seq_len"] == 64 and measured["tokens"] == 2 * 63
     assert len(measured["delta"]) == 2 and sum(len(s) for s in head_map["selected"]) == 4
+
+
+@pytest.mark.slow
+def test_planted_records_are_measured_and_recorded_in_the_head_map(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "converted"
+    args = [
+        "convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
+        "--model.policy", "rfkit.policies.StreamedLossPolicy",
+        "--model.policy.init_args.sink", "2",
+        "--model.policy.init_args.recent", "8",
+        "--model.policy.init_args.blocks", "2",
+        "--model.policy.init_args.long_source", str(tiny_corpus),
+        "--model.policy.init_args.long_seq_len", "64",
+        "--model.policy.init_args.recall", "1",
+        "--model.policy.init_args.recall_gap", "8",
+        "--model.policy.init_args.recall_weight", "0.5",
+        "--output", str(out),
+    ]  # fmt: skip
+    code, _out, err = run_cli(args, capsys)
+    assert code == 0, err
+    head_map = json.loads((out / "head_map.json").read_text())
+    assert head_map["policy"]["recall"] == 1 and head_map["policy"]["recall_weight"] == 0.5
+    recall = head_map["measured"]["recall"]
+    assert recall["records"] == 1 and recall["gap"] == 8 and 0 < recall["answers"] <= 2 * 8
+    assert len(recall["delta"]) == 2 and all(len(row) == 2 for row in recall["delta"])
+    # the 2 groups replaced are the 2 cheapest by text + 0.5 x answers
+    cost = {(layer, g): d + 0.5 * r for layer, (row, rrow) in enumerate(zip(head_map["measured"]["delta"], recall["delta"])) for g, (d, r) in enumerate(zip(row, rrow))}
+    kept_cost = sorted(cost.values())
+    chosen = {(layer, g) for layer, heads in enumerate(head_map["selected"]) for g in range(2) if 2 * g in heads}
+    assert sorted(cost[u] for u in chosen) == kept_cost[:2]
 
 
 def test_the_disagreement_report_reads_a_head_map_the_policy_made(tmp_path):
