@@ -216,3 +216,47 @@ def recovery_recall_steps() -> str:
     lines += _free_lines(sweep, 2)
     lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - |")
     return "\n".join(lines)
+
+
+# which heads stay when a tenth do, ranked on the plays and on planted records: one more sweep with
+# the lever sweep's arguments scores the beta 0.9 fit ranked on the plays and the record-aware
+# ranking training-free; the plays ranking's training-free rows are policies_smollm2_long's, and
+# every training-free ranking's passkeys come from the recipe files beside the sweep
+RANK = "levers_smollm2_playrank"
+PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
+RANK_ROWS = (
+    RECALL_ROWS[5],
+    ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
+)
+# (ranking, the sweep holding its training-free rows, the tag of its passkey files)
+FREE_RANKINGS = (
+    ("loss measured on 8 x 512 Wikipedia tokens (the recipes' ranking)", f"{RECALL}/sweep.json", "wiki"),
+    ("loss measured on 2 x 2,048 play tokens", "policies_smollm2_long/sweep.json", "plays"),
+    ("the same blocks with 8 planted records each, text + 0.1 x answer loss", f"{RANK}/sweep.json", "recall"),
+)
+
+
+@table("recovery_ranking")
+def recovery_ranking() -> str:
+    """The beta 0.9 recipe against the same fit ranked on the plays, and three training-free
+    rankings at each beta with their passkeys; every sweep must have measured the same original."""
+    sweeps = {f: load(f) for f in {s for _l, s, _t in FREE_RANKINGS} | {RANK_ROWS[1][5]}}
+    reference = load(SWEEP)["original"]
+    for name, sweep in sweeps.items():
+        if sweep["original"] != reference:
+            raise ValueError(f"{name}: its original differs from {SWEEP}'s; the rows would not compare")
+    lines = [
+        "| beta | model (bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [_lever_line(entry) for entry in RANK_ROWS]
+    for beta, tag in (("0.75", "b075"), ("0.9", "b09")):
+        for label, sweep_file, kind in FREE_RANKINGS:
+            free = [r for r in sweeps[sweep_file]["rows"] if not r.get("trained") and f"{r['beta']:g}" == beta]
+            if len(free) != 1:
+                raise KeyError(f"{sweep_file}: expected one training-free row at beta {beta}, found {len(free)}")
+            cells = _cells(_ratios(free[0]))
+            keys = passkey_cells(load(f"{RANK}/passkey_free_{tag}_{kind}.json"))
+            lines.append(f"| {beta} | training-free {short(free[0]['operator'])}, heads ranked by {label} | {cells[0]} | {' / '.join(cells[1:])} | - | {keys} | none |")
+    lines.append(f"| 0 | the original | 1.000 | 1.000 / 1.000 | - | {passkey_cells(load(PASSKEY_ORIGINAL))} | - |")
+    return "\n".join(lines)

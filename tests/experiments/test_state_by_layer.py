@@ -1,0 +1,54 @@
+"""benchmarks/state_by_layer.py: the per-layer state ablation at a length, on the tiny converted model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import load_script
+
+
+@pytest.mark.slow
+def test_each_layers_state_alone_off_and_the_split_losses(converted_dir, tiny_corpus, tmp_path):
+    import shutil
+
+    script = load_script("benchmarks/state_by_layer.py")
+    model = tmp_path / "model"
+    shutil.copytree(converted_dir, model)
+    # open the gates of the first converted layer only (closed elsewhere): only its state counts
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    gates = sorted(k for k in tensors if k.endswith("mixer.gate"))
+    assert len(gates) >= 1
+    first = gates[0]
+    for name in gates:
+        tensors[name] = torch.full_like(tensors[name], 1.0 if name == first else 0.0)
+    scale = first.replace("mixer.gate", "mixer.log_scale")
+    tensors[scale] = torch.full_like(tensors[scale], 5.0)  # old tokens weigh e^5 times their softmax share
+    save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "report"
+    assert script.main([str(model), "--source", str(tiny_corpus), "--length", "64", "--split", "32", "--output", str(out)]) == 0
+    result = json.loads((out / "state_by_layer.json").read_text())
+    assert result["length"] == 64 and result["blocks"] == 1 and "provenance" in result
+    layers = {row["layer"]: row for row in result["layers"]}
+    assert len(layers) == len(gates)
+    opened = int(first.split(".layers.")[1].split(".")[0])
+    for layer, row in layers.items():
+        if layer == opened:  # the only state that does anything
+            assert row["delta_all"] != 0.0
+        else:  # a closed gate: switching the state off changes nothing
+            assert row["delta_all"] == 0.0 and row["delta_before"] == 0.0 and row["delta_after"] == 0.0
+    on, off = result["ppl_ratio"]["state_on"], result["ppl_ratio"]["state_off"]
+    assert on["all"] != off["all"]
+    assert math.log(off["all"]) - math.log(on["all"]) == pytest.approx(layers[opened]["delta_all"], abs=2e-4)
+    assert "| layer | all | before 32 | from 32 on |" in (out / "state_by_layer.md").read_text()
+
+
+def test_a_split_outside_the_block_is_refused():
+    script = load_script("benchmarks/state_by_layer.py")
+    with pytest.raises(SystemExit, match="--split: 64 is not allowed"):
+        script.report("unused", "embedded:shakespeare", 64, 1, 64)
