@@ -232,7 +232,7 @@ RANK_ROWS = (
 FREE_RANKINGS = (
     ("loss measured on 8 x 512 Wikipedia tokens (the recipes' ranking)", f"{RECALL}/sweep.json", "wiki"),
     ("loss measured on 2 x 2,048 play tokens", "policies_smollm2_long/sweep.json", "plays"),
-    ("the same blocks with 8 planted records each, text + 0.1 x answer loss", f"{RANK}/sweep.json", "recall"),
+    ("loss measured on the same play blocks with 8 planted records each (text + 0.1 x answer increase)", f"{RANK}/sweep.json", "recall"),
 )
 
 
@@ -240,7 +240,7 @@ FREE_RANKINGS = (
 def recovery_ranking() -> str:
     """The beta 0.9 recipe against the same fit ranked on the plays, and three training-free
     rankings at each beta with their passkeys; every sweep must have measured the same original."""
-    sweeps = {f: load(f) for f in {s for _l, s, _t in FREE_RANKINGS} | {RANK_ROWS[1][5]}}
+    sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [RANK_ROWS[1][5]])}  # in order
     reference = load(SWEEP)["original"]
     for name, sweep in sweeps.items():
         if sweep["original"] != reference:

@@ -107,8 +107,9 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
 
     ids = batch["input_ids"]
     mask, labels = batch.get("attention_mask"), batch.get("labels")
+    positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
     need_hidden = config is not None and config.hidden > 0
-    out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
     nll, n = summed_nll(out.logits, ids, labels)
     ce = nll / n
     if config is None:
@@ -118,7 +119,7 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     if config.needs_teacher:
         if teacher is None:
             raise DistillError("model.distill: the kl and hidden terms need a teacher")
-        reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden)
+        reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
         if config.kl > 0:
             keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
             kl = kl_loss(out.logits[:, :-1], reference.logits[:, :-1], config.temperature, keep)

@@ -46,6 +46,7 @@ from rfkit.training.precision import prepare_fsdp, restore_frozen_parameters
 from rfkit.training.progress import Phases
 from rfkit.training.teacher import SHARED_TEACHER_FROZEN
 from rfkit.training.transfer import TransferConfig
+from rfkit.validate import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class RecurFormerModule(L.LightningModule):
         gradient_checkpointing: Recompute decoder layers in the backward pass instead of keeping
             their activations (HF's non-reentrant checkpointing): less memory, about a third
             more compute. For long sequences on GPUs.
+        position_jitter: Training reads each batch at positions shifted by a random offset in
+            ``[0, position_jitter]`` (at most up to the model's context; the teacher reads the
+            same positions). Exact attention is relative and does not change; a state whose
+            feature map reads rotated queries and keys sees the angles of positions beyond the
+            training blocks, which it would otherwise meet first at inference. 0 (default): none.
         head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
             (the same as ``policy: rfkit.conversion.policies.FromHeadMap``).
         reuse_profile: Reuse a cached profile for the same model, data and settings, and the
@@ -98,6 +104,7 @@ class RecurFormerModule(L.LightningModule):
         transfer: TransferConfig | None = None,
         distill: DistillConfig | None = None,
         lora: LoraSettings | None = None,
+        position_jitter: int = 0,
         gradient_checkpointing: bool = False,
         head_map: str | None = None,
         reuse_profile: bool = True,
@@ -129,6 +136,8 @@ class RecurFormerModule(L.LightningModule):
         self.distill = distill
         self.lora = lora
         self.gradient_checkpointing = bool(gradient_checkpointing)
+        positive_int("model.position_jitter", position_jitter, 0, error=PolicyError)
+        self.position_jitter = int(position_jitter)
         if distill is not None and distill.needs_teacher and distill.share_modules:
             if "none" in self.freeze_stages():
                 raise PolicyError(SHARED_TEACHER_FROZEN)
@@ -338,7 +347,7 @@ class RecurFormerModule(L.LightningModule):
         return summed_nll(logits, ids, batch.get("labels"))
 
     def training_step(self, batch, batch_idx):
-        loss, parts = training_loss(self.model, batch, self.distill, self.teacher)
+        loss, parts = training_loss(self.model, self._jittered(batch), self.distill, self.teacher)
         self._stop_unless_finite(loss, "loss")
         self.train_tokens += batch["input_ids"].numel()
         self._epoch_batches = batch_idx + 1
@@ -347,6 +356,20 @@ class RecurFormerModule(L.LightningModule):
                 self.log(f"train_{name}", value)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def _jittered(self, batch: dict) -> dict:
+        """``batch`` with ``position_ids`` shifted by an offset drawn from (seed, step), so a
+        resumed fit draws the same ones (``position_jitter``; the batch itself without it)."""
+        if not self.position_jitter:
+            return batch
+        ids = batch["input_ids"]
+        room = min(self.position_jitter, int(getattr(self.model.config, "max_position_embeddings", 0) or 0) - ids.shape[1])
+        if room <= 0:
+            return batch
+        generator = torch.Generator().manual_seed(1_000_003 * int(torch.initial_seed() % 1_000_003) + int(self.global_step))
+        offset = int(torch.randint(0, room + 1, (), generator=generator))
+        positions = torch.arange(offset, offset + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        return {**batch, "position_ids": positions}
 
     def on_after_backward(self) -> None:
         if self._sharded:

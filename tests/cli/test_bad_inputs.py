@@ -180,6 +180,7 @@ CASES = [
      ["model.policy.recall: -1 is not allowed", "integer >= 0"]),  # fmt: skip
     ("policy-recall-weight-negative", "fit", ["--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.recall_weight", "-0.5"],
      ["model.policy.recall_weight: -0.5 is not allowed", "finite number >= 0"]),  # fmt: skip
+    ("position-jitter-negative", "fit", ["--model.position_jitter", "-1"], ["model.position_jitter: must be an integer >= 0, got -1"]),
     # outputs that cannot be written (root ignores permission bits: these are truly unwritable)
     ("root-dir-under-a-file", "fit", ["--trainer.default_root_dir", "{in}/a_file/run"],
      ["trainer.default_root_dir: cannot create", "a_file' is a file, not a directory"]),  # fmt: skip
