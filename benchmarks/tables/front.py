@@ -76,9 +76,9 @@ B075_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b075_long40
 B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 _POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
 B09_SWEEP = "trained_smollm2_b09/sweep.json"
-B09_TRAINED = ("levers_smollm2_recall/sweep.json", "runs/lever_b09_long4096_steps72/")
-B09_FITS = {"StreamedLossPolicy": "levers_smollm2_recall/fit_b09_steps72.json"}
-B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b09_steps72.json"}
+B09_TRAINED = ("levers_smollm2_jitter/sweep.json", "runs/b09_playrank_jitter/")
+B09_FITS = {"StreamedLossPolicy": "levers_smollm2_jitter/fit_b09_playrank_jitter.json"}
+B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_jitter/passkey_b09_playrank_jitter.json"}
 
 
 def _merged(free_file: str, trained: tuple[str, str]) -> dict:

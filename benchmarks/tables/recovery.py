@@ -223,10 +223,12 @@ def recovery_recall_steps() -> str:
 # ranking training-free; the plays ranking's training-free rows are policies_smollm2_long's, and
 # every training-free ranking's passkeys come from the recipe files beside the sweep
 RANK = "levers_smollm2_playrank"
+JITTER = "levers_smollm2_jitter"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
-    RECALL_ROWS[5],
+    (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks: `recipes/smollm2_b09.yaml` before this section", *RECALL_ROWS[5][3:]),
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
+    ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
 )
 # (ranking, the sweep holding its training-free rows, the tag of its passkey files)
 FREE_RANKINGS = (
@@ -240,7 +242,7 @@ FREE_RANKINGS = (
 def recovery_ranking() -> str:
     """The beta 0.9 recipe against the same fit ranked on the plays, and three training-free
     rankings at each beta with their passkeys; every sweep must have measured the same original."""
-    sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [RANK_ROWS[1][5]])}  # in order
+    sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [e[5] for e in RANK_ROWS[1:]])}  # in order
     reference = load(SWEEP)["original"]
     for name, sweep in sweeps.items():
         if sweep["original"] != reference:

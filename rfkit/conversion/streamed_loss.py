@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 
 from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
 from rfkit.conversion.profile import HeadProfile, capture_attention, profile_heads
-from rfkit.data.recall import RecallPlanter
 from rfkit.models.layout import AttentionLayout
 from rfkit.validate import in_range, positive_int
 
@@ -314,13 +313,14 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             if datamodule is None:
                 raise PolicyError("model.policy.long_source: reading long blocks needs the recipe's data section (its tokeniser)")
             blocks = datamodule.other_train_blocks(self.long_source, self.long_seq_len, "model.policy.")
-            picks = torch.linspace(0, len(blocks) - 1, min(self.blocks, len(blocks))).round().long().unique()
+            # float64: under bf16-true the default dtype is bf16, which rounds 295 to 296 (past the end)
+            picks = torch.linspace(0, len(blocks) - 1, min(self.blocks, len(blocks)), dtype=torch.float64).round().long().unique()
             out = [(blocks[i : i + 1], [i]) for i in picks.tolist()]
         if not self.recall:
             return [{"input_ids": ids} for ids, _rows in out]
         if datamodule is None:
             raise PolicyError("model.policy.recall: planting records needs the recipe's data section (its tokeniser)")
-        planter = RecallPlanter(datamodule.tokenizer, self.recall, self.recall_gap, datamodule.seed, field="model.policy.recall")
+        planter = datamodule.recall_planter(self.recall, self.recall_gap, "model.policy.recall")
         planted = [planter.batch(ids, rows) for ids, rows in out]
         if not any(bool(b["answer_mask"].any()) for b in planted):
             length = out[0][0].shape[1]

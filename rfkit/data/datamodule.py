@@ -272,6 +272,12 @@ class TextDataModule(L.LightningDataModule):
         known = self.model_source
         return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
+    def recall_planter(self, count: int, gap: int, field: str):
+        """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors name ``field``)."""
+        from rfkit.data.recall import RecallPlanter
+
+        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field)
+
     def other_train_blocks(self, source: str, seq_len: int, field: str) -> torch.Tensor:
         """The train split of another ``source`` in ``seq_len``-token blocks, this data's tokeniser (errors name ``field``)."""
         return train_split_blocks(source, self.tokenizer_spec(), seq_len, field)

@@ -124,11 +124,14 @@ def test_the_recall_weight_decides_between_text_and_answer_costs():
 
 
 def test_records_need_room_in_the_measured_blocks():
-    class Data:  # the recipe's data section as the policy reads it: a fast tokenizer and a seed
-        seed = 0
+    from rfkit.data.recall import RecallPlanter
 
+    class Data:  # the recipe's data section as the policy reads it: its planter
         def __init__(self, tokenizer):
             self.tokenizer = tokenizer
+
+        def recall_planter(self, count, gap, field):
+            return RecallPlanter(self.tokenizer, count, gap, 0, field=field)
 
     from transformers import AutoTokenizer
 
