@@ -186,6 +186,15 @@ def recovery_levers_together() -> str:
     return "\n".join(lines)
 
 
+def _same_original(sweeps: dict) -> None:
+    """Every sweep (name -> sweep) measured the same original as the first: the same blocks, so
+    their rows compare."""
+    (first, reference), *others = sweeps.items()
+    for name, sweep in others:
+        if sweep["original"] != reference["original"]:
+            raise ValueError(f"{name}: its original differs from {first}'s; the rows would not compare")
+
+
 # planted recall (data.long_recall) and more steps: one more sweep with the lever sweep's
 # arguments scores the new models; its original must equal the lever sweeps' (the same blocks)
 RECALL = "levers_smollm2_recall"
@@ -197,7 +206,7 @@ RECALL_ROWS = (
     TOGETHER[1],
     ("lever_b075_long4096_steps72", "0.75", f"4,096-token blocks and 72 steps instead of 48: `recipes/smollm2_b075.yaml` now ({STEPS_FLAGS})", f"{RECALL}/fit_b075_long4096_steps72.json", f"{RECALL}/passkey_b075_long4096_steps72.json", f"{RECALL}/sweep.json"),
     TOGETHER[4],
-    ("lever_b09_long4096_steps72", "0.9", f"72 steps instead of 48: `recipes/smollm2_b09.yaml` now ({STEPS_FLAGS})", f"{RECALL}/fit_b09_steps72.json", f"{RECALL}/passkey_b09_steps72.json", f"{RECALL}/sweep.json"),
+    ("lever_b09_long4096_steps72", "0.9", f"72 steps instead of 48: `recipes/smollm2_b09.yaml` until it ranked on the plays ({STEPS_FLAGS})", f"{RECALL}/fit_b09_steps72.json", f"{RECALL}/passkey_b09_steps72.json", f"{RECALL}/sweep.json"),
 )
 
 
@@ -205,9 +214,7 @@ RECALL_ROWS = (
 def recovery_recall_steps() -> str:
     """Planted recall at beta 0.75 and more steps at 0.75 and 0.9, each beside the row it changes, the training-free rows and the original's passkeys."""
     sweep = load(f"{RECALL}/sweep.json")
-    for other in (SWEEP, f"{COMBINED}/sweep.json"):
-        if load(other)["original"] != sweep["original"]:
-            raise ValueError(f"{RECALL}/sweep.json: its original differs from {other}'s; the rows would not compare")
+    _same_original({f"{RECALL}/sweep.json": sweep, **{f: load(f) for f in (SWEEP, f"{COMBINED}/sweep.json")}})
     lines = [
         "| beta | lever (measured-loss ranking, bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -226,7 +233,7 @@ RANK = "levers_smollm2_playrank"
 JITTER = "levers_smollm2_jitter"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
-    (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks: `recipes/smollm2_b09.yaml` before this section", *RECALL_ROWS[5][3:]),
+    (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b09.yaml` before", *RECALL_ROWS[5][3:]),
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
     ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
 )
@@ -243,10 +250,7 @@ def recovery_ranking() -> str:
     """The beta 0.9 recipe against the same fit ranked on the plays, and three training-free
     rankings at each beta with their passkeys; every sweep must have measured the same original."""
     sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [e[5] for e in RANK_ROWS[1:]])}  # in order
-    reference = load(SWEEP)["original"]
-    for name, sweep in sweeps.items():
-        if sweep["original"] != reference:
-            raise ValueError(f"{name}: its original differs from {SWEEP}'s; the rows would not compare")
+    _same_original({SWEEP: load(SWEEP), **sweeps})
     lines = [
         "| beta | model (bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
         "|---|---|---:|---:|---:|---:|---:|",

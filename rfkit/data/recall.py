@@ -102,4 +102,4 @@ def planter_for(data) -> RecallPlanter | None:
     """The planter of a :class:`~rfkit.data.TextDataModule`'s ``long_recall`` (None at 0)."""
     if not data.long_recall:
         return None
-    return RecallPlanter(data.tokenizer, data.long_recall, data.long_recall_gap, data.seed)
+    return data.recall_planter(data.long_recall, data.long_recall_gap, "data.long_recall")

@@ -197,8 +197,9 @@ def test_bad_settings_name_the_field(field, value):
         StreamedLossPolicy(**{field: value})
 
 
-@pytest.mark.slow
-def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+def _convert_on_long_blocks(tiny_model_dir, tiny_corpus, tmp_path, capsys, *extra: str) -> dict:
+    """``rfkit convert`` with StreamedLossPolicy measured on 2 long blocks of the tiny corpus
+    (its train split, 64 tokens each), plus ``extra``; returns the head map."""
     out = tmp_path / "converted"
     args = [
         "convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
@@ -206,14 +207,19 @@ def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_
         "--model.policy.init_args.sink", "2",
         "--model.policy.init_args.recent", "8",
         "--model.policy.init_args.blocks", "2",
-        # measured on long blocks of another source's train split (here the tiny corpus, 64 tokens)
         "--model.policy.init_args.long_source", str(tiny_corpus),
         "--model.policy.init_args.long_seq_len", "64",
+        *extra,
         "--output", str(out),
     ]  # fmt: skip
     code, _out, err = run_cli(args, capsys)
     assert code == 0, err
-    head_map = json.loads((out / "head_map.json").read_text())
+    return json.loads((out / "head_map.json").read_text())
+
+
+@pytest.mark.slow
+def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    head_map = _convert_on_long_blocks(tiny_model_dir, tiny_corpus, tmp_path, capsys)
     assert head_map["policy"]["class_path"] == "rfkit.policies.StreamedLossPolicy"
     measured = head_map["measured"]
     assert measured["name"] == "streamed_loss" and measured["blocks"] == 2 and measured["recent"] == 8
@@ -223,23 +229,12 @@ def test_convert_with_the_policy_writes_its_measurements_into_the_head_map(tiny_
 
 @pytest.mark.slow
 def test_planted_records_are_measured_and_recorded_in_the_head_map(tiny_model_dir, tiny_corpus, tmp_path, capsys):
-    out = tmp_path / "converted"
-    args = [
-        "convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
-        "--model.policy", "rfkit.policies.StreamedLossPolicy",
-        "--model.policy.init_args.sink", "2",
-        "--model.policy.init_args.recent", "8",
-        "--model.policy.init_args.blocks", "2",
-        "--model.policy.init_args.long_source", str(tiny_corpus),
-        "--model.policy.init_args.long_seq_len", "64",
+    head_map = _convert_on_long_blocks(
+        tiny_model_dir, tiny_corpus, tmp_path, capsys,
         "--model.policy.init_args.recall", "1",
         "--model.policy.init_args.recall_gap", "8",
         "--model.policy.init_args.recall_weight", "0.5",
-        "--output", str(out),
-    ]  # fmt: skip
-    code, _out, err = run_cli(args, capsys)
-    assert code == 0, err
-    head_map = json.loads((out / "head_map.json").read_text())
+    )  # fmt: skip
     assert head_map["policy"]["recall"] == 1 and head_map["policy"]["recall_weight"] == 0.5
     recall = head_map["measured"]["recall"]
     assert recall["records"] == 1 and recall["gap"] == 8 and 0 < recall["answers"] <= 2 * 8
