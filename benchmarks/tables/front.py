@@ -69,10 +69,10 @@ def demo_precision(demo: dict) -> str:
 # that scored the recipe's fit; both sweeps ran with the same arguments, so on the same blocks
 # (checked: the original's perplexities must be equal). The fits' own summaries give their wall time
 B075_SWEEP = "trained_smollm2_b075/sweep.json"
-B075_TRAINED = ("levers_smollm2_recall/sweep.json", "runs/lever_b075_long4096_steps72/")
-B075_FITS = {"StreamedLossPolicy": "levers_smollm2_recall/fit_b075_long4096_steps72.json"}
-B075_SPEED = "speed_bf16/converted_b075_recipe.json"
-B075_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_recall/passkey_b075_long4096_steps72.json"}
+B075_TRAINED = ("levers_smollm2_b075_jitter/sweep.json", "runs/b075_jitter/")
+B075_FITS = {"StreamedLossPolicy": "levers_smollm2_b075_jitter/fit_b075_jitter.json"}
+B075_SPEED = "speed_bf16/converted_b075_jitter.json"
+B075_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_b075_jitter/passkey_b075_jitter.json"}
 B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 _POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
 B09_SWEEP = "trained_smollm2_b09/sweep.json"

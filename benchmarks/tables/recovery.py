@@ -204,7 +204,7 @@ RECALL_ROWS = (
     TOGETHER[0],
     ("lever_b075_recall8", "0.75", f"planted recall, 8 records in each long block ({RECALL_FLAGS})", f"{RECALL}/fit_b075_recall8.json", f"{RECALL}/passkey_b075_recall8.json", f"{RECALL}/sweep.json"),
     TOGETHER[1],
-    ("lever_b075_long4096_steps72", "0.75", f"4,096-token blocks and 72 steps instead of 48: `recipes/smollm2_b075.yaml` now ({STEPS_FLAGS})", f"{RECALL}/fit_b075_long4096_steps72.json", f"{RECALL}/passkey_b075_long4096_steps72.json", f"{RECALL}/sweep.json"),
+    ("lever_b075_long4096_steps72", "0.75", f"4,096-token blocks and 72 steps instead of 48: `recipes/smollm2_b075.yaml` until it shifted positions ({STEPS_FLAGS})", f"{RECALL}/fit_b075_long4096_steps72.json", f"{RECALL}/passkey_b075_long4096_steps72.json", f"{RECALL}/sweep.json"),
     TOGETHER[4],
     ("lever_b09_long4096_steps72", "0.9", f"72 steps instead of 48: `recipes/smollm2_b09.yaml` until it ranked on the plays ({STEPS_FLAGS})", f"{RECALL}/fit_b09_steps72.json", f"{RECALL}/passkey_b09_steps72.json", f"{RECALL}/sweep.json"),
 )
@@ -231,8 +231,11 @@ def recovery_recall_steps() -> str:
 # every training-free ranking's passkeys come from the recipe files beside the sweep
 RANK = "levers_smollm2_playrank"
 JITTER = "levers_smollm2_jitter"
+B075_JITTER = "levers_smollm2_b075_jitter"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
+    (*RECALL_ROWS[3][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b075.yaml` before", *RECALL_ROWS[3][3:]),
+    ("b075_jitter", "0.75", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b075.yaml` now", f"{B075_JITTER}/fit_b075_jitter.json", f"{B075_JITTER}/passkey_b075_jitter.json", f"{B075_JITTER}/sweep.json"),
     (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b09.yaml` before", *RECALL_ROWS[5][3:]),
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
     ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
@@ -249,7 +252,7 @@ FREE_RANKINGS = (
 def recovery_ranking() -> str:
     """The beta 0.9 recipe against the same fit ranked on the plays, and three training-free
     rankings at each beta with their passkeys; every sweep must have measured the same original."""
-    sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [e[5] for e in RANK_ROWS[1:]])}  # in order
+    sweeps = {f: load(f) for f in dict.fromkeys([s for _l, s, _t in FREE_RANKINGS] + [e[5] for e in RANK_ROWS])}  # in order
     _same_original({SWEEP: load(SWEEP), **sweeps})
     lines = [
         "| beta | model (bf16) | Wikipedia 512 | long documents 2,048 / 8,192 | state off, 2,048 / 8,192 | passkey 1,024 / 2,048 / 4,096 | fit |",
