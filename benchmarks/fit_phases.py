@@ -9,6 +9,12 @@ Runs the rfkit command as given in this process with one more callback (:class:`
 from this file) and hooks on attention transfer's capture; then reads the run's ``summary.json``.
 Writes one JSON with the provenance of the command, and prints a table. Timings on a shared machine
 are noisy: say whether anything else ran.
+
+``--profile-step N`` also runs ``torch.profiler`` over training step N (0-based; the profiler's
+own overhead makes that step slower than the others): the time inside the teacher's forward, the
+replacement mixers' forwards and the distillation loss, the operators by kind (matrix products,
+exact attention, softmax, the rest; forward and backward together) and the top operators by
+their own time. That names the next lever.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,9 +37,13 @@ class StepTimer(pl.Callback):
     (optimizer step, logging), keyed by the block length of its batch."""
 
     steps: list = []  # class-level: the instance Lightning builds from the class path fills it
+    profile_step: int | None = None  # the step torch.profiler records (main's --profile-step)
+    profile: dict = {}
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        if len(StepTimer.steps) == StepTimer.profile_step:
+            self._profiling = StepProfile(module)
         self._now = {"start": time.perf_counter(), "tokens": int(ids.numel()), "length": int(ids.shape[-1])}
 
     def on_before_backward(self, trainer, module, loss):
@@ -47,6 +58,79 @@ class StepTimer(pl.Callback):
             "length": n["length"], "tokens": n["tokens"],
             "forward_s": n["forward"] - n["start"], "backward_s": n["backward"] - n["forward"], "rest_s": end - n["backward"],
         })  # fmt: skip
+        if getattr(self, "_profiling", None) is not None:
+            StepTimer.profile = {"step": len(StepTimer.steps) - 1, "length": n["length"], "tokens": n["tokens"], **self._profiling.finish()}
+            self._profiling = None
+
+
+#: regions timed inside the profiled step (their inclusive CPU time)
+REGIONS = ("teacher forward", "mixer forward", "distillation loss")
+#: operator kinds: the first whose words occur in the operator's name
+KINDS = (
+    ("exact attention", ("scaled_dot_product", "flash_attention")),
+    ("matrix products", ("mm", "matmul", "linear", "baddbmm", "einsum", "addmv")),
+    ("softmax", ("softmax",)),
+)
+
+
+class StepProfile:
+    """``torch.profiler`` over one training step, with the teacher's forward, each replacement
+    mixer's forward and the distillation loss marked as regions."""
+
+    def __init__(self, module):
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        from rfkit.models.mixer import ReplacementMixer
+        from rfkit.training import distill, teacher
+
+        self._stack = ExitStack()
+        open_regions: list = []
+
+        def enter(name):
+            region = record_function(name)
+            region.__enter__()
+            open_regions.append(region)
+
+        def leave():
+            open_regions.pop().__exit__(None, None, None)
+
+        def wrap(owner, attribute, name):
+            real = getattr(owner, attribute)
+
+            def timed(*args, **kwargs):
+                with record_function(name):
+                    return real(*args, **kwargs)
+
+            setattr(owner, attribute, timed)
+            self._stack.callback(setattr, owner, attribute, real)
+
+        wrap(teacher.SharedTeacher, "__call__", REGIONS[0])
+        wrap(distill, "kl_loss", REGIONS[2])
+        for m in module.modules():
+            if isinstance(m, ReplacementMixer):
+                self._stack.callback(m.register_forward_pre_hook(lambda *_: enter(REGIONS[1])).remove)
+                self._stack.callback(m.register_forward_hook(lambda *_: leave()).remove)
+        self._profiler = self._stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
+
+    def finish(self) -> dict:
+        """Stop, and the step's regions, operator kinds and top operators in seconds."""
+        self._stack.close()
+        events = self._profiler.key_averages()
+        regions = {r: 0.0 for r in REGIONS}
+        by_kind = dict.fromkeys([k for k, _ in KINDS] + ["the rest"], 0.0)
+        ops = []
+        for e in events:
+            if e.key in regions:
+                regions[e.key] = round(e.cpu_time_total / 1e6, 3)
+                continue
+            if not e.key.startswith("aten::") and "Backward" not in e.key:
+                continue
+            name = e.key.lower()
+            kind = next((k for k, words in KINDS if any(w in name for w in words)), "the rest")
+            by_kind[kind] += e.self_cpu_time_total / 1e6
+            ops.append({"op": e.key, "self_s": round(e.self_cpu_time_total / 1e6, 3), "calls": e.count})
+        ops.sort(key=lambda o: -o["self_s"])
+        return {"regions_s": regions, "by_kind_s": {k: round(v, 3) for k, v in by_kind.items()}, "top_ops": ops[:25]}
 
 
 def _median(rows: list, key: str) -> float:
@@ -75,6 +159,7 @@ def timed_capture():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fit_phases.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="the JSON to write")
+    parser.add_argument("--profile-step", type=int, default=None, help="run torch.profiler over this training step (0-based)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the rfkit command and its arguments, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -91,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     capture = timed_capture()
     timer.steps.clear()
+    timer.profile_step, timer.profile = args.profile_step, {}
     try:
         rfkit_main([*command, "--trainer.callbacks+=fit_phases.StepTimer"])
     except SystemExit as exit:
@@ -120,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "train": {"steps_s": round(stepping, 1), "outside_steps_s": round(phases.get("train", 0.0) - stepping, 1), "by_block_length": by_length},
         "steps": steps,
     }
+    if timer.profile:
+        result["profile"] = timer.profile
     stamp(result, started, command_line([__file__, *(argv if argv is not None else sys.argv[1:])]))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train: steps {result['train']['steps_s']} s, outside the steps (validation, measurement) {result['train']['outside_steps_s']} s")
     for n, v in by_length.items():
         print(f"  {n}-token blocks: {v['steps']} steps, median forward {v['forward_s']} s, backward {v['backward_s']} s, rest {v['rest_s']} s")
+    if timer.profile:
+        p = timer.profile
+        print(f"profiled step {p['step']} ({p['length']}-token blocks): regions {p['regions_s']}, operators by kind {p['by_kind_s']}")
+        for o in p["top_ops"][:10]:
+            print(f"  {o['self_s']:8.3f} s  {o['calls']:6d} calls  {o['op']}")
     return 0
 
 

@@ -138,3 +138,24 @@ def auto_same_machine() -> str:
                 lambda k: f"{speeds[k][context][f'{phase}_tps_original']:.1f} -> {speeds[k][context][f'{phase}_tps_converted']:.1f} tok/s ({speeds[k][context][f'{phase}_ratio']:.2f}x)",
             ))  # fmt: skip
     return "\n".join(lines)
+
+
+@table("precision_step_profile")
+def step_profile() -> str:
+    """One bf16 training step through torch.profiler: where its time goes, by region and by operator kind."""
+    run = load(f"{FOLDER}/profile_bfloat16.json")
+    p = run["profile"]
+    total = sum(p["by_kind_s"].values())
+    lines = [
+        f"| one training step of the default recipe, {p['length']}-token blocks, {p['tokens']:,} tokens, bf16 ({_machine(run)}) | seconds | share of the operators' time |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| inside the teacher's forward | {p['regions_s']['teacher forward']:.2f} | {p['regions_s']['teacher forward'] / total:.0%} |"]
+    lines += [f"| inside the replacement mixers' forwards | {p['regions_s']['mixer forward']:.2f} | {p['regions_s']['mixer forward'] / total:.0%} |"]
+    lines += [f"| inside the distillation loss (forward) | {p['regions_s']['distillation loss']:.2f} | {p['regions_s']['distillation loss'] / total:.0%} |"]
+    lines += [f"| operators, {kind} (forward and backward) | {s:.2f} | {s / total:.0%} |" for kind, s in p["by_kind_s"].items()]
+    rows = load(f"{FOLDER}/loss_rows.json")  # the lever it named, timed alone on the same shape
+    shape = "x".join(str(n) for n in rows["shape"])
+    for name, label in (("plain", "the plain expressions (before)"), ("rowwise", "`rowwise_loss` (now)")):
+        lines.append(f"| CE + KL on {shape} {rows['dtype']} logits, forward and backward: {label}, median of {rows['runs']} | {rows['median_s'][name]:.2f} | - |")
+    return "\n".join(lines)

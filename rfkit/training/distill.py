@@ -78,14 +78,91 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
     Logits are (B, L, V); ``mask`` (B, L) selects the positions that count (default all).
     """
-    t = float(temperature)
-    log_s = F.log_softmax(student_logits.float() / t, dim=-1)
-    log_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    per_position = (log_t.exp() * (log_t - log_s)).sum(-1)  # (B, L)
-    if mask is not None:
-        mask = mask.to(per_position.dtype)
-        return (per_position * mask).sum() / mask.sum().clamp_min(1) * t * t
-    return per_position.mean() * t * t
+    return rowwise_loss(student_logits, teacher=teacher_logits, temperature=temperature, kl_mask=mask, ce_weight=0.0)[0]
+
+
+#: positions per piece of :func:`rowwise_loss` on a CPU: 4 rows of 49,152 float32 logits are
+#: 768 KiB, within a core's cache; an accelerator takes bigger pieces (fewer kernel launches)
+LOSS_ROWS = 4
+LOSS_ROWS_ACCELERATOR = 1024
+
+
+def rowwise_loss(
+    student: torch.Tensor,
+    *,
+    targets: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    kl_mask: torch.Tensor | None = None,
+    ce_weight: float = 1.0,
+    kl_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ce_weight * CE + kl_weight * KL`` on the student's logits (B, L, V), a few positions at a
+    time, and the two terms apart (detached, for logging).
+
+    CE: mean next-token cross-entropy over the ``targets`` (B, L) that are not -100 (as
+    :func:`rfkit.training.losses.summed_nll`). KL: :func:`kl_loss` (``kl_mask`` the positions that
+    count). Either may be absent (its value 0). All in float32, with the gradient for the student's
+    logits made in the same pass (:class:`_RowwiseLoss`): a row of a 49,152-word vocabulary is
+    192 KiB in float32, and the whole tensor, hundreds of MiB, would be read and written a dozen
+    times over by the plain expressions.
+    """
+    B, L, _ = student.shape
+    ce_rows = kl_rows = None
+    if targets is not None:
+        valid = (targets != -100).to(torch.float32)
+        ce_rows = valid / valid.sum().clamp_min(1)
+    if teacher is not None:
+        t = float(temperature)
+        keep = torch.ones(B, L, device=student.device) if kl_mask is None else kl_mask.to(torch.float32)
+        kl_rows = keep / keep.sum().clamp_min(1) * (t * t)
+        teacher = teacher.detach()
+    return _RowwiseLoss.apply(student, teacher, targets, ce_rows, kl_rows, float(ce_weight), float(kl_weight), float(temperature))
+
+
+class _RowwiseLoss(torch.autograd.Function):
+    """:func:`rowwise_loss`: one pass over :data:`LOSS_ROWS` positions at a time for the values
+    and the gradient (kept in the logits' dtype until backward). Row weights ``a`` (CE) and ``b``
+    (KL, with ``T**2``): d/ds of ``sum a CE`` is ``a (softmax(s) - onehot)``, of ``sum b KL`` is
+    ``b (softmax(s / T) - p_teacher) / T``."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, targets, ce_rows, kl_rows, ce_weight, kl_weight, t):
+        B, L, _ = student.shape
+        parts = torch.zeros(2, dtype=torch.float32, device=student.device)
+        grad = torch.empty_like(student) if student.requires_grad else None
+        step = LOSS_ROWS if student.device.type == "cpu" else LOSS_ROWS_ACCELERATOR
+        for b in range(B):
+            for start in range(0, L, step):
+                rows = slice(start, min(L, start + step))
+                s = student[b, rows].float()
+                log_s = F.log_softmax(s, dim=-1)
+                g = torch.zeros_like(s) if grad is not None else None
+                if ce_rows is not None:
+                    a, target = ce_rows[b, rows], targets[b, rows].clamp_min(0).unsqueeze(-1)
+                    parts[0] += (-log_s.gather(-1, target).squeeze(-1) * a).sum()
+                    if g is not None:
+                        g.add_(log_s.exp().scatter_add_(-1, target, -torch.ones_like(target, dtype=g.dtype)) * (ce_weight * a).unsqueeze(-1))
+                if kl_rows is not None:
+                    log_st = log_s if t == 1.0 else F.log_softmax(s / t, dim=-1)
+                    log_t = F.log_softmax(teacher[b, rows].float() / t, dim=-1)
+                    p_t = log_t.exp()
+                    w = kl_rows[b, rows]
+                    parts[1] += ((p_t * (log_t - log_st)).sum(-1) * w).sum()
+                    if g is not None:
+                        g.add_((log_st.exp() - p_t) * (kl_weight * w / t).unsqueeze(-1))
+                if grad is not None:
+                    grad[b, rows] = g
+        ctx.save_for_backward(grad)
+        total = ce_weight * parts[0] + kl_weight * parts[1]
+        ce, kl = parts[0].clone(), parts[1].clone()
+        ctx.mark_non_differentiable(ce, kl)
+        return total, ce, kl
+
+    @staticmethod
+    def backward(ctx, out_grad, _ce_grad, _kl_grad):
+        (grad,) = ctx.saved_tensors
+        return grad * out_grad.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def hidden_loss(student_hidden, teacher_hidden) -> torch.Tensor:
@@ -110,25 +187,32 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
     need_hidden = config is not None and config.hidden > 0
     out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
-    nll, n = summed_nll(out.logits, ids, labels)
-    ce = nll / n
     if config is None:
-        return ce, {"ce": ce.detach()}
-    parts = {"ce": ce.detach()}
-    loss = config.ce_weight(batch) * ce
+        nll, n = summed_nll(out.logits, ids, labels)
+        return nll / n, {"ce": (nll / n).detach()}
+    reference = None
     if config.needs_teacher:
         if teacher is None:
             raise DistillError("model.distill: the kl and hidden terms need a teacher")
         reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
-        if config.kl > 0:
-            keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
-            kl = kl_loss(out.logits[:, :-1], reference.logits[:, :-1], config.temperature, keep)
-            loss = loss + config.kl * kl
-            parts["kl"] = kl.detach()
-        if need_hidden:
-            hidden = hidden_loss(out.hidden_states, reference.hidden_states)
-            loss = loss + config.hidden * hidden
-            parts["hidden"] = hidden.detach()
+    # CE and KL in one pass over the logits (rowwise_loss), the KL over the positions that count
+    keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
+    loss, ce, kl = rowwise_loss(
+        out.logits[:, :-1],
+        targets=(ids if labels is None else labels)[:, 1:],
+        teacher=reference.logits[:, :-1] if config.kl > 0 else None,
+        temperature=config.temperature,
+        kl_mask=keep,
+        ce_weight=config.ce_weight(batch),
+        kl_weight=config.kl,
+    )
+    parts = {"ce": ce}
+    if config.kl > 0:
+        parts["kl"] = kl
+    if need_hidden:
+        hidden = hidden_loss(out.hidden_states, reference.hidden_states)
+        loss = loss + config.hidden * hidden
+        parts["hidden"] = hidden.detach()
     answers = batch.get("answer_mask")
     if config.recall > 0 and answers is not None:
         recall = answer_loss(out.logits, ids, answers)

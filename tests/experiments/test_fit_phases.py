@@ -15,7 +15,7 @@ def test_a_tiny_fit_is_split_into_phases_and_step_parts(tiny_model_dir, tiny_cor
     phases = load_script("benchmarks/fit_phases.py")
     out = tmp_path / "phases.json"
     root = tmp_path / "run"
-    assert phases.main(["--output", str(out), "--", "fit", *tiny_args(tiny_model_dir, tiny_corpus, root)]) == 0
+    assert phases.main(["--output", str(out), "--profile-step", "1", "--", "fit", *tiny_args(tiny_model_dir, tiny_corpus, root)]) == 0
     result = json.loads(out.read_text())
     assert result["provenance"]["command"].startswith("python benchmarks/fit_phases.py --output ")
     assert set(result["phases_s"]) >= {"load", "transfer", "train"}
@@ -26,3 +26,9 @@ def test_a_tiny_fit_is_split_into_phases_and_step_parts(tiny_model_dir, tiny_cor
     for part in by_length.values():
         assert part["forward_s"] > 0 and part["backward_s"] > 0 and part["rest_s"] >= 0
     assert result["train"]["steps_s"] <= result["phases_s"]["train"] + 0.5
+    profile = result["profile"]  # the second step, through torch.profiler
+    assert profile["step"] == 1 and profile["tokens"] == result["steps"][1]["tokens"]
+    assert profile["regions_s"]["mixer forward"] > 0  # the hooks on the replacement mixers fired
+    assert profile["by_kind_s"]["matrix products"] > 0 and profile["by_kind_s"]["the rest"] > 0
+    assert profile["top_ops"] and all(o["calls"] >= 1 for o in profile["top_ops"])
+    assert [o["self_s"] for o in profile["top_ops"]] == sorted((o["self_s"] for o in profile["top_ops"]), reverse=True)

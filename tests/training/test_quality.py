@@ -193,6 +193,67 @@ def test_kl_loss_hand_computed():
     assert float(kl_loss(student, teacher, mask=mask)) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature, masked", [(1.0, False), (2.0, True)])
+def test_kl_loss_rowwise_equals_the_plain_expression(dtype, temperature, masked):
+    """kl_loss runs a few positions at a time with its own gradient: the value and the student's
+    gradient equal the one-expression KL's (autograd), across piece boundaries and masks."""
+    from rfkit.training.distill import LOSS_ROWS
+
+    torch.manual_seed(0)
+    L = 2 * LOSS_ROWS + 3  # two whole pieces and a short one
+    student = (torch.randn(2, L, 67, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+    teacher = (torch.randn(2, L, 67, dtype=torch.float64) * 3).to(dtype)
+    mask = (torch.rand(2, L) > 0.3) if masked else None
+
+    def plain(s):
+        log_s = torch.log_softmax(s.double() / temperature, -1)
+        log_t = torch.log_softmax(teacher.double() / temperature, -1)
+        per = (log_t.exp() * (log_t - log_s)).sum(-1)
+        m = torch.ones_like(per) if mask is None else mask.double()
+        return (per * m).sum() / m.sum() * temperature**2
+
+    value = kl_loss(student, teacher, temperature, mask)
+    (grad,) = torch.autograd.grad(value, student)
+    expected = plain(student)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    assert value.dtype == torch.float32 and grad.dtype == dtype
+    assert float(value) == pytest.approx(float(expected), rel=1e-5)
+    tol = 1e-7 if dtype == torch.float32 else 1e-3
+    assert torch.allclose(grad.double(), expected_grad.double(), atol=tol, rtol=0)
+    if masked:  # positions outside the mask get no gradient
+        assert float(grad[~mask].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 3.0])
+def test_rowwise_loss_is_weighted_ce_plus_kl(temperature):
+    """CE and KL in one pass: the total, its two terms and the gradient equal summed_nll's CE and
+    the plain KL, weighted, with ignored targets (-100) and a KL mask."""
+    from rfkit.training.distill import rowwise_loss
+    from rfkit.training.losses import summed_nll
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 53, (2, 12))
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt that does not count
+    student = (torch.randn(2, 12, 53, dtype=torch.float64) * 2).float().requires_grad_()
+    teacher = torch.randn(2, 12, 53) * 2
+    keep = labels[:, 1:] != -100
+    total, ce, kl = rowwise_loss(
+        student[:, :-1], targets=labels[:, 1:], teacher=teacher[:, :-1], temperature=temperature, kl_mask=keep, ce_weight=0.7, kl_weight=1.3
+    )
+    (grad,) = torch.autograd.grad(total, student)
+    nll, n = summed_nll(student, ids, labels)
+    expected_kl = kl_loss(student[:, :-1], teacher[:, :-1], temperature, keep)
+    expected = 0.7 * nll / n + 1.3 * expected_kl
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    assert float(ce) == pytest.approx(float(nll / n), rel=1e-6) and float(kl) == pytest.approx(float(expected_kl), rel=1e-6)
+    assert float(total) == pytest.approx(float(expected), rel=1e-6)
+    assert not ce.requires_grad and not kl.requires_grad
+    assert torch.allclose(grad, expected_grad, atol=1e-7, rtol=0)
+    assert float(grad[:, -1].abs().max()) == 0.0  # the last position predicts nothing
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
