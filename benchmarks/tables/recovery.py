@@ -232,6 +232,7 @@ def recovery_recall_steps() -> str:
 RANK = "levers_smollm2_playrank"
 JITTER = "levers_smollm2_jitter"
 B075_JITTER = "levers_smollm2_b075_jitter"
+DECAY512 = "levers_smollm2_b09_decay512"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
     (*RECALL_ROWS[3][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b075.yaml` before", *RECALL_ROWS[3][3:]),
@@ -239,6 +240,7 @@ RANK_ROWS = (
     (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b09.yaml` before", *RECALL_ROWS[5][3:]),
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
     ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
+    ("b09_jitter_decay512", "0.9", "the recipe now with the state's decay horizon starting at 512 tokens instead of 128 (`--model.operator.init_args.decay_horizon 512`; the training loss in one rowwise pass)", f"{DECAY512}/fit_b09_decay512.json", f"{DECAY512}/passkey_b09_decay512.json", f"{DECAY512}/sweep.json"),
 )
 # (ranking, the sweep holding its training-free rows, the tag of its passkey files)
 FREE_RANKINGS = (
