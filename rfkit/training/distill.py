@@ -180,16 +180,15 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     Without ``config`` this is plain next-token cross-entropy (the paper's). ``teacher`` (a
     :class:`rfkit.training.teacher.SharedTeacher`) is needed when ``config`` has a KL or hidden term.
     """
-    from rfkit.training.losses import summed_nll
-
     ids = batch["input_ids"]
     mask, labels = batch.get("attention_mask"), batch.get("labels")
     positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
     need_hidden = config is not None and config.hidden > 0
     out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
-    if config is None:
-        nll, n = summed_nll(out.logits, ids, labels)
-        return nll / n, {"ce": (nll / n).detach()}
+    targets = (ids if labels is None else labels)[:, 1:]
+    if config is None:  # the paper's loss: CE alone, through the same rowwise pass
+        loss, ce, _ = rowwise_loss(out.logits[:, :-1], targets=targets)
+        return loss, {"ce": ce}
     reference = None
     if config.needs_teacher:
         if teacher is None:
@@ -199,7 +198,7 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     keep = labels[:, 1:] != -100 if labels is not None else (mask[:, 1:] if mask is not None else None)
     loss, ce, kl = rowwise_loss(
         out.logits[:, :-1],
-        targets=(ids if labels is None else labels)[:, 1:],
+        targets=targets,
         teacher=reference.logits[:, :-1] if config.kl > 0 else None,
         temperature=config.temperature,
         kl_mask=keep,
