@@ -12,7 +12,7 @@ are noisy: say whether anything else ran.
 
 ``--profile-step N`` also runs ``torch.profiler`` over training step N (0-based; the profiler's
 own overhead makes that step slower than the others): the time inside the teacher's forward, the
-replacement mixers' forwards and the distillation loss, the operators by kind (matrix products,
+replacement mixers' forwards and the loss on the logits (CE and KL), the operators by kind (matrix products,
 exact attention, softmax, the rest; forward and backward together) and the top operators by
 their own time. That names the next lever.
 """
@@ -64,7 +64,7 @@ class StepTimer(pl.Callback):
 
 
 #: regions timed inside the profiled step (their inclusive CPU time)
-REGIONS = ("teacher forward", "mixer forward", "distillation loss")
+REGIONS = ("teacher forward", "mixer forward", "loss on the logits")
 #: operator kinds: the first whose words occur in the operator's name
 KINDS = (
     ("exact attention", ("scaled_dot_product", "flash_attention")),
@@ -75,7 +75,7 @@ KINDS = (
 
 class StepProfile:
     """``torch.profiler`` over one training step, with the teacher's forward, each replacement
-    mixer's forward and the distillation loss marked as regions."""
+    mixer's forward and the loss on the logits marked as regions."""
 
     def __init__(self, module):
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -105,7 +105,7 @@ class StepProfile:
             self._stack.callback(setattr, owner, attribute, real)
 
         wrap(teacher.SharedTeacher, "__call__", REGIONS[0])
-        wrap(distill, "kl_loss", REGIONS[2])
+        wrap(distill, "rowwise_loss", REGIONS[2])
         for m in module.modules():
             if isinstance(m, ReplacementMixer):
                 self._stack.callback(m.register_forward_pre_hook(lambda *_: enter(REGIONS[1])).remove)

@@ -152,7 +152,7 @@ def step_profile() -> str:
     ]
     lines += [f"| inside the teacher's forward | {p['regions_s']['teacher forward']:.2f} | {p['regions_s']['teacher forward'] / total:.0%} |"]
     lines += [f"| inside the replacement mixers' forwards | {p['regions_s']['mixer forward']:.2f} | {p['regions_s']['mixer forward'] / total:.0%} |"]
-    lines += [f"| inside the distillation loss (forward) | {p['regions_s']['distillation loss']:.2f} | {p['regions_s']['distillation loss'] / total:.0%} |"]
+    lines += [f"| inside the loss on the logits, CE and KL (forward) | {p['regions_s']['loss on the logits']:.2f} | {p['regions_s']['loss on the logits'] / total:.0%} |"]
     lines += [f"| operators, {kind} (forward and backward) | {s:.2f} | {s / total:.0%} |" for kind, s in p["by_kind_s"].items()]
     rows = load(f"{FOLDER}/loss_rows.json")  # the lever it named, timed alone on the same shape
     shape = "x".join(str(n) for n in rows["shape"])
