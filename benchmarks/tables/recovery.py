@@ -233,6 +233,8 @@ RANK = "levers_smollm2_playrank"
 JITTER = "levers_smollm2_jitter"
 B075_JITTER = "levers_smollm2_b075_jitter"
 DECAY512 = "levers_smollm2_b09_decay512"
+JITTER8K = "levers_smollm2_b09_jitter8192"
+J8K_DECAY512 = "levers_smollm2_b09_j8192_decay512"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
     (*RECALL_ROWS[3][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b075.yaml` before", *RECALL_ROWS[3][3:]),
@@ -241,6 +243,8 @@ RANK_ROWS = (
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
     ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
     ("b09_jitter_decay512", "0.9", "the recipe now with the state's decay horizon starting at 512 tokens instead of 128 (`--model.operator.init_args.decay_horizon 512`; the training loss in one rowwise pass)", f"{DECAY512}/fit_b09_decay512.json", f"{DECAY512}/passkey_b09_decay512.json", f"{DECAY512}/sweep.json"),
+    ("b09_jitter8192", "0.9", "the recipe now with shifts of up to 8,192 instead of 4,096 (`--model.position_jitter 8192`: a 512-token batch then moves by up to 7,680, a 4,096-token block still by up to 4,096, the model's context being 8,192)", f"{JITTER8K}/fit_b09_jitter8192.json", f"{JITTER8K}/passkey_b09_jitter8192.json", f"{JITTER8K}/sweep.json"),
+    ("b09_j8192_decay512", "0.9", "both: shifts of up to 8,192 and the decay horizon starting at 512 (`--model.position_jitter 8192 --model.operator.init_args.decay_horizon 512`)", f"{J8K_DECAY512}/fit_b09_j8192_decay512.json", f"{J8K_DECAY512}/passkey_b09_j8192_decay512.json", f"{J8K_DECAY512}/sweep.json"),
 )
 # (ranking, the sweep holding its training-free rows, the tag of its passkey files)
 FREE_RANKINGS = (
