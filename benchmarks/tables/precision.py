@@ -150,9 +150,12 @@ def step_profile() -> str:
         f"| one training step of the default recipe, {p['length']}-token blocks, {p['tokens']:,} tokens, bf16 ({_machine(run)}) | seconds | share of the operators' time |",
         "|---|---:|---:|",
     ]
-    lines += [f"| inside the teacher's forward | {p['regions_s']['teacher forward']:.2f} | {p['regions_s']['teacher forward'] / total:.0%} |"]
-    lines += [f"| inside the replacement mixers' forwards | {p['regions_s']['mixer forward']:.2f} | {p['regions_s']['mixer forward'] / total:.0%} |"]
-    lines += [f"| inside the loss on the logits, CE and KL (forward) | {p['regions_s']['loss on the logits']:.2f} | {p['regions_s']['loss on the logits'] / total:.0%} |"]
+    regions = (
+        ("teacher forward", "the teacher's forward"),
+        ("mixer forward", "the replacement mixers' forwards"),
+        ("loss on the logits", "the loss on the logits, CE and KL (forward)"),
+    )
+    lines += [f"| inside {label} | {p['regions_s'][key]:.2f} | {p['regions_s'][key] / total:.0%} |" for key, label in regions]
     lines += [f"| operators, {kind} (forward and backward) | {s:.2f} | {s / total:.0%} |" for kind, s in p["by_kind_s"].items()]
     rows = load(f"{FOLDER}/loss_rows.json")  # the lever it named, timed alone on the same shape
     shape = "x".join(str(n) for n in rows["shape"])
