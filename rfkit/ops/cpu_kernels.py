@@ -18,6 +18,10 @@ bf16 loaded exactly, float32 arithmetic and sums, the output rounded as torch ro
   builds never see a half-written library.
 * No compiler, a failed build or ``RFKIT_CPU_KERNEL=0`` only switches it off: the block then
   uses the pure-PyTorch scan (:func:`rfkit.ops.scan.selective_scan_prefix`), and says so once.
+* ``kernels/loss_cpu.c`` is the exception to "inference only" below: the training loss on the
+  logits (CE and KL per position, and their gradient, :func:`rfkit.training.distill.rowwise_loss`)
+  in three passes over each row instead of about a dozen PyTorch passes; it makes the gradient
+  itself, so it needs no autograd either.
 * Inference only (no autograd); the block uses it when no gradient is needed. The scans and
   the window prefill compute in float32 (a bf16 model's mixers reach them in their float32
   compute dtype, :mod:`rfkit.models.precision`); the window step also takes bf16 (above).
@@ -46,7 +50,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c")]
+_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c", "loss_cpu.c")]
+_HEADERS = [Path(__file__).with_name("kernels") / "bf16.h"]  # part of the build key, not compiled alone
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
 # Tried in this order: with OpenMP (the window prefill's jobs then run in the process's OpenMP
 # pool, which is PyTorch's own where PyTorch uses GNU OpenMP, as its Linux wheels do), then
@@ -65,7 +70,7 @@ def _library_path(variant: list[str]) -> Path:
 
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha1(
-        "\0".join([*(src.read_text() for src in _SOURCES), cc, *_FLAGS, *variant, platform.machine(), platform.node(), _cpu_flags()]).encode()
+        "\0".join([*(src.read_text() for src in _SOURCES + _HEADERS), cc, *_FLAGS, *variant, platform.machine(), platform.node(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"mamba_cpu-{key}.so"
 
@@ -154,6 +159,10 @@ def _open(variant: list[str]):
     lib.rf_window_prefill_f32.argtypes = prefill + [ctypes.c_int64] * 4
     lib.rf_window_prefill_jobs_f32.restype = ctypes.c_int
     lib.rf_window_prefill_jobs_f32.argtypes = prefill + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.rf_rowwise_loss.restype = ctypes.c_int
+    lib.rf_rowwise_loss.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
+        ctypes.c_void_p
+    ] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
     lib.rf_openmp.restype = ctypes.c_int
     lib.rf_openmp.argtypes = []
     return lib
@@ -228,6 +237,45 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
         for f in futures:
             f.result()
     return y, h
+
+
+#: the logits' dtypes :func:`rowwise_loss_cpu` reads (other dtypes take the PyTorch twin)
+LOSS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rowwise_loss_ready(*logits: torch.Tensor | None) -> bool:
+    """Whether :func:`rowwise_loss_cpu` can take these (rows, vocab) logits: CPU, a dtype of
+    :data:`LOSS_DTYPES`, unit stride along the vocabulary, and the library built."""
+    given = [x for x in logits if x is not None]
+    fit = all(x.device.type == "cpu" and x.dtype in LOSS_DTYPES and x.dim() == 2 and x.stride(-1) == 1 for x in given)
+    return fit and _load() is not None
+
+
+@torch.no_grad()
+def rowwise_loss_cpu(student, teacher, targets, ga, gb, grad, inv_t: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-row CE and KL of ``student`` (rows, vocab) against ``targets`` (rows,) and ``teacher``
+    (either may be None), writing the gradient into ``grad`` (rows, vocab; None: none) with the row
+    weights ``ga`` and ``gb`` (float32, rows); ``kernels/loss_cpu.c`` says what each is. The caller
+    checks :func:`rowwise_loss_ready`. Returns (ce, kl), float32 (rows,) or None."""
+    rows, vocab = student.shape
+    f32 = torch.float32
+    ce = None if targets is None else torch.empty(rows, dtype=f32)
+    kl = None if teacher is None else torch.empty(rows, dtype=f32)
+    targets = None if targets is None else targets.to(torch.int64).clamp_min(0).contiguous()
+    ga = None if ga is None else ga.to(f32).contiguous()
+    gb = None if gb is None else gb.to(f32).contiguous()
+
+    def logits(x):
+        return (None, 0, 0) if x is None else (_ptr(x), int(x.dtype == torch.bfloat16), x.stride(0))
+
+    threads = max(1, min(torch.get_num_threads(), rows))
+    rc = _load().rf_rowwise_loss(
+        *logits(student), *logits(teacher), *(_ptr(x) for x in (targets, ga, gb)), *logits(grad), _ptr(ce), _ptr(kl),
+        rows, vocab, float(inv_t), threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("rowwise loss kernel: could not allocate its row buffers")
+    return ce, kl
 
 
 @torch.no_grad()

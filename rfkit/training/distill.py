@@ -121,38 +121,17 @@ def rowwise_loss(
 
 
 class _RowwiseLoss(torch.autograd.Function):
-    """:func:`rowwise_loss`: one pass over :data:`LOSS_ROWS` positions at a time for the values
-    and the gradient (kept in the logits' dtype until backward). Row weights ``a`` (CE) and ``b``
+    """:func:`rowwise_loss`: the values and the gradient (kept in the logits' dtype until
+    backward) in one pass, through the compiled CPU loss where it serves (:func:`_kernel_takes`;
+    three passes over each row), else in PyTorch ops a few positions at a time. Row weights ``a`` (CE) and ``b``
     (KL, with ``T**2``): d/ds of ``sum a CE`` is ``a (softmax(s) - onehot)``, of ``sum b KL`` is
     ``b (softmax(s / T) - p_teacher) / T``."""
 
     @staticmethod
     def forward(ctx, student, teacher, targets, ce_rows, kl_rows, ce_weight, kl_weight, t):
-        B, L, _ = student.shape
-        parts = torch.zeros(2, dtype=torch.float32, device=student.device)
         grad = torch.empty_like(student) if student.requires_grad else None
-        step = LOSS_ROWS if student.device.type == "cpu" else LOSS_ROWS_ACCELERATOR
-        for b in range(B):
-            for start in range(0, L, step):
-                rows = slice(start, min(L, start + step))
-                s = student[b, rows].float()
-                log_s = F.log_softmax(s, dim=-1)
-                g = torch.zeros_like(s) if grad is not None else None
-                if ce_rows is not None:
-                    a, target = ce_rows[b, rows], targets[b, rows].clamp_min(0).unsqueeze(-1)
-                    parts[0] += (-log_s.gather(-1, target).squeeze(-1) * a).sum()
-                    if g is not None:
-                        g.add_(log_s.exp().scatter_add_(-1, target, -torch.ones_like(target, dtype=g.dtype)) * (ce_weight * a).unsqueeze(-1))
-                if kl_rows is not None:
-                    log_st = log_s if t == 1.0 else F.log_softmax(s / t, dim=-1)
-                    log_t = F.log_softmax(teacher[b, rows].float() / t, dim=-1)
-                    p_t = log_t.exp()
-                    w = kl_rows[b, rows]
-                    parts[1] += ((p_t * (log_t - log_st)).sum(-1) * w).sum()
-                    if g is not None:
-                        g.add_((log_st.exp() - p_t) * (kl_weight * w / t).unsqueeze(-1))
-                if grad is not None:
-                    grad[b, rows] = g
+        args = (student, teacher, targets, ce_rows, kl_rows, ce_weight, kl_weight, t, grad)
+        parts = _rowwise_kernel(*args) if _kernel_takes(student, teacher, grad) else _rowwise_torch(*args)
         ctx.save_for_backward(grad)
         total = ce_weight * parts[0] + kl_weight * parts[1]
         ce, kl = parts[0].clone(), parts[1].clone()
@@ -163,6 +142,66 @@ class _RowwiseLoss(torch.autograd.Function):
     def backward(ctx, out_grad, _ce_grad, _kl_grad):
         (grad,) = ctx.saved_tensors
         return grad * out_grad.to(grad.dtype), None, None, None, None, None, None, None
+
+
+def _kernel_takes(student, teacher, grad) -> bool:
+    """Whether the compiled CPU loss (:func:`rfkit.ops.cpu_kernels.rowwise_loss_cpu`) serves:
+    CPU float32 or bf16 logits, each position's row contiguous (a batch's rows stride apart)."""
+    if student.device.type != "cpu":
+        return False
+    from rfkit.ops import cpu_kernels
+
+    return cpu_kernels.rowwise_loss_ready(student[0], None if teacher is None else teacher[0], None if grad is None else grad[0])
+
+
+def _rowwise_kernel(student, teacher, targets, ce_rows, kl_rows, ce_weight, kl_weight, t, grad) -> torch.Tensor:
+    """:class:`_RowwiseLoss`'s values (CE, KL) through the compiled CPU loss, one batch row at a
+    time, the gradient written into ``grad``."""
+    from rfkit.ops.cpu_kernels import rowwise_loss_cpu
+
+    parts = torch.zeros(2, dtype=torch.float32)
+    for b in range(student.shape[0]):
+        ga = None if ce_rows is None else ce_weight * ce_rows[b]
+        gb = None if kl_rows is None else kl_rows[b] * (kl_weight / t)
+        ce, kl = rowwise_loss_cpu(
+            student[b], None if teacher is None else teacher[b], None if targets is None else targets[b],
+            ga, gb, None if grad is None else grad[b], 1.0 / t,
+        )  # fmt: skip
+        if ce is not None:
+            parts[0] += (ce * ce_rows[b]).sum()
+        if kl is not None:
+            parts[1] += (kl * kl_rows[b]).sum()
+    return parts
+
+
+def _rowwise_torch(student, teacher, targets, ce_rows, kl_rows, ce_weight, kl_weight, t, grad) -> torch.Tensor:
+    """:class:`_RowwiseLoss`'s values (CE, KL) in PyTorch ops, :data:`LOSS_ROWS` positions at a
+    time (any device and dtype; the compiled loss's twin), the gradient written into ``grad``."""
+    B, L, _ = student.shape
+    parts = torch.zeros(2, dtype=torch.float32, device=student.device)
+    step = LOSS_ROWS if student.device.type == "cpu" else LOSS_ROWS_ACCELERATOR
+    for b in range(B):
+        for start in range(0, L, step):
+            rows = slice(start, min(L, start + step))
+            s = student[b, rows].float()
+            log_s = F.log_softmax(s, dim=-1)
+            g = torch.zeros_like(s) if grad is not None else None
+            if ce_rows is not None:
+                a, target = ce_rows[b, rows], targets[b, rows].clamp_min(0).unsqueeze(-1)
+                parts[0] += (-log_s.gather(-1, target).squeeze(-1) * a).sum()
+                if g is not None:
+                    g.add_(log_s.exp().scatter_add_(-1, target, -torch.ones_like(target, dtype=g.dtype)) * (ce_weight * a).unsqueeze(-1))
+            if kl_rows is not None:
+                log_st = log_s if t == 1.0 else F.log_softmax(s / t, dim=-1)
+                log_t = F.log_softmax(teacher[b, rows].float() / t, dim=-1)
+                p_t = log_t.exp()
+                w = kl_rows[b, rows]
+                parts[1] += ((p_t * (log_t - log_st)).sum(-1) * w).sum()
+                if g is not None:
+                    g.add_((log_st.exp() - p_t) * (kl_weight * w / t).unsqueeze(-1))
+            if grad is not None:
+                grad[b, rows] = g
+    return parts
 
 
 def hidden_loss(student_hidden, teacher_hidden) -> torch.Tensor:

@@ -37,7 +37,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rfkit.errors import RFKitError
@@ -291,6 +290,32 @@ def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, 
         mixer.out_proj.bias.zero_()
 
 
+class _GramSquare(torch.autograd.Function):
+    """``sum(d * (d @ G))`` for a symmetric ``G``, with the gradient ``2 d G`` kept from the
+    forward: one matrix product in all where ``((d @ P) ** 2).sum()`` (``G = P P^T``) takes three."""
+
+    @staticmethod
+    def forward(ctx, d, G):
+        dG = d @ G
+        ctx.save_for_backward(dG)
+        return (d * dG).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dG,) = ctx.saved_tensors
+        return 2 * grad * dG, None
+
+
+def mapped_mse(d: torch.Tensor, gram: torch.Tensor | None, proj: torch.Tensor | None) -> torch.Tensor:
+    """``F.mse_loss(d @ proj, 0)`` (plain ``d``'s mean square without ``proj``) through the Gram
+    matrix ``gram = proj @ proj.T``: the error of the block's output after ``W_O`` without mapping
+    the prediction and the target through it every step (``d_out <= hidden``: at most the same
+    work, a third of it for one KV group of three)."""
+    if proj is None:
+        return d.pow(2).mean()
+    return _GramSquare.apply(d, gram) / (d[..., 0].numel() * proj.shape[1])
+
+
 def train_blocks(
     mixers: dict[int, nn.Module],
     data,
@@ -323,6 +348,7 @@ def train_blocks(
     devices = {i: _device_of(m) for i, m in mixers.items()}
     proj = {i: (projections or {}).get(i) for i in mixers}
     proj = {i: None if p is None else p.to(devices[i], torch.float32) for i, p in proj.items()}  # uploaded once
+    gram = {i: None if p is None else p @ p.T for i, p in proj.items()}  # (d_out, d_out): the loss's only product
 
     def mapped(i, x):
         return x if proj[i] is None else x @ proj[i]
@@ -351,7 +377,7 @@ def train_blocks(
                 for pairs, norm, picked, span in batches:  # one backward each: one graph held at a time
                     values = _rows(pairs[i][0], picked, span, device)  # each uploaded once per step
                     target = _rows(pairs[i][1], picked, span, device).float()
-                    loss = F.mse_loss(mapped(i, mixer(values).float()), mapped(i, target)) / norm[i]
+                    loss = mapped_mse(mixer(values).float() - target, gram[i], proj[i]) / norm[i]
                     (loss / len(batches)).backward()
                     total += float(loss.detach()) / len(batches)
             optimizer.step()

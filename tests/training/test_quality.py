@@ -18,7 +18,7 @@ from rfkit.models.operators import MambaOperator
 from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
 from rfkit.training.freeze import FreezeStage, check_schedule, stage_at, trainable_names
 from rfkit.training.teacher import SharedTeacher
-from rfkit.training.transfer import TransferConfig, TransferError, capture, transfer
+from rfkit.training.transfer import TransferConfig, TransferError, capture, mapped_mse, transfer
 
 SELECTED = [[0, 1], [2, 3]]  # GQA 4/2: one whole KV group per layer
 
@@ -74,6 +74,24 @@ def test_transfer_reduces_each_layers_mse(space):
         assert report["mse_after_readout"][layer] < report["mse_before"][layer]
         assert report["mse_after"][layer] < report["mse_after_readout"][layer]
     assert report["mean_mse_after"] < 0.9
+
+
+@pytest.mark.parametrize("width", [8, 24])
+def test_mapped_mse_equals_the_error_after_the_projection(width):
+    """Transfer's output-space loss through the Gram matrix: the value and gradient of
+    ``F.mse_loss(d @ P, 0)`` (width 8: fewer replaced-head columns than output ones)."""
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(3, 5, width, generator=g, dtype=torch.float64)
+    proj = torch.randn(width, 16, generator=g, dtype=torch.float64)
+    plain = d.clone().requires_grad_(True)
+    want = torch.nn.functional.mse_loss(plain @ proj, torch.zeros(3, 5, 16, dtype=torch.float64))
+    want.backward()
+    fast = d.clone().requires_grad_(True)
+    got = mapped_mse(fast, proj @ proj.T, proj)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fast.grad, plain.grad)
+    torch.testing.assert_close(mapped_mse(d, None, None), d.pow(2).mean())
 
 
 def test_transfer_without_readout_still_learns():
@@ -226,6 +244,39 @@ def test_kl_loss_rowwise_equals_the_plain_expression(dtype, temperature, masked)
     assert torch.allclose(grad.double(), expected_grad.double(), atol=tol, rtol=0)
     if masked:  # positions outside the mask get no gradient
         assert float(grad[~mask].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("dtype, teacher_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("terms", ["both", "ce", "kl"])
+def test_compiled_loss_matches_its_pytorch_twin(dtype, teacher_dtype, temperature, terms):
+    """The compiled CPU loss (three passes per row) against distill's PyTorch twin on the same
+    strided logits (a batch's rows as the model hands them, the last position cut off): the CE and
+    KL sums and the gradient, in the logits' dtype, with ignored targets and masked rows."""
+    from rfkit.ops import cpu_kernels
+    from rfkit.training import distill
+
+    torch.manual_seed(2)
+    B, L, V = 2, 9, 4099  # a vocabulary that is no multiple of the vector width
+    logits = (torch.randn(B, L + 1, V, dtype=torch.float64) * 4).to(dtype)
+    student = logits[:, :-1]
+    teacher = None if terms == "ce" else (torch.randn(B, L, V, dtype=torch.float64) * 4).to(teacher_dtype)
+    targets = torch.randint(0, V, (B, L))
+    targets[0, :3] = -100
+    ce_rows = None if terms == "kl" else (targets != -100).float() / (targets != -100).sum()
+    kl_rows = None if terms == "ce" else (torch.rand(B, L) > 0.3).float() / (B * L) * temperature**2
+    targets = None if terms == "kl" else targets
+    assert distill._kernel_takes(student, teacher, torch.empty_like(student)) and cpu_kernels.available()
+    results = []
+    for path in (distill._rowwise_kernel, distill._rowwise_torch):
+        grad = torch.empty_like(student)
+        parts = path(student, teacher, targets, ce_rows, kl_rows, 0.7, 1.3, temperature, grad)
+        results.append((parts, grad))
+    (parts, grad), (want_parts, want_grad) = results
+    torch.testing.assert_close(parts, want_parts, rtol=2e-5, atol=1e-6)
+    assert grad.dtype == dtype
+    tol = 1e-8 if dtype == torch.float32 else 1e-5  # bf16: both round the same float32 value, up to its last bit
+    torch.testing.assert_close(grad.double(), want_grad.double(), atol=tol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 3.0])

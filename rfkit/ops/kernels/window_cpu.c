@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* phi for 16 features (half 8), the default: four independent accumulators over the channels, so
  * the matrix-vector product is not one serial chain of dependent additions, and one 16-wide exp. */
 static inline void feature_16(const float *restrict x, const float *restrict w, int64_t hd, float *restrict phi) {
@@ -109,26 +111,6 @@ static void feature_any(const float *restrict x, const float *restrict w, int64_
         phi[j] /= sp;
         phi[half + j] /= sn;
     }
-}
-
-/* bf16 words (uint16): the upper half of a float32. Loading is exact; storing rounds to nearest,
- * ties to even, as torch's CPU tensor cast (.to(torch.bfloat16)) does, and turns every NaN into
- * 0xFFFF as that cast does (ATen's vectorised conversion; c10's scalar one writes 0x7FC0). The NaN
- * test reads the bits: -ffast-math lets the compiler assume x == x. */
-typedef uint16_t rf_bf16;
-
-static inline float bf16_to_f32(rf_bf16 w) {
-    const uint32_t u = (uint32_t)w << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-static inline rf_bf16 f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFF;
-    return (rf_bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Element i of an array of float32 (bf16 = 0) or bf16 words (bf16 = 1), as float32, and the store
