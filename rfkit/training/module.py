@@ -46,11 +46,12 @@ from rfkit.training.precision import prepare_fsdp, restore_frozen_parameters
 from rfkit.training.progress import Phases
 from rfkit.training.teacher import SHARED_TEACHER_FROZEN
 from rfkit.training.transfer import TransferConfig
-from rfkit.validate import positive_int
+from rfkit.validate import one_of, positive_int
 
 log = logging.getLogger(__name__)
 
 INIT_CHOICES = ("random", "from_attention")
+JITTER_BATCHES = ("all", "long")  # model.position_jitter_batches
 
 
 class RecurFormerModule(L.LightningModule):
@@ -80,6 +81,9 @@ class RecurFormerModule(L.LightningModule):
             same positions). Exact attention is relative and does not change; a state whose
             feature map reads rotated queries and keys sees the angles of positions beyond the
             training blocks, which it would otherwise meet first at inference. 0 (default): none.
+        position_jitter_batches: Which training batches ``position_jitter`` shifts: ``all``
+            (default), or ``long``: only the long-document blocks (``data.long_source``), so the
+            short batches keep training the positions short inputs use.
         head_map: Path or URL of an existing ``head_map.json`` to use instead of profiling
             (the same as ``policy: rfkit.conversion.policies.FromHeadMap``).
         reuse_profile: Reuse a cached profile for the same model, data and settings, and the
@@ -105,6 +109,7 @@ class RecurFormerModule(L.LightningModule):
         distill: DistillConfig | None = None,
         lora: LoraSettings | None = None,
         position_jitter: int = 0,
+        position_jitter_batches: Literal["all", "long"] = "all",
         gradient_checkpointing: bool = False,
         head_map: str | None = None,
         reuse_profile: bool = True,
@@ -138,6 +143,8 @@ class RecurFormerModule(L.LightningModule):
         self.gradient_checkpointing = bool(gradient_checkpointing)
         positive_int("model.position_jitter", position_jitter, 0, error=PolicyError)
         self.position_jitter = int(position_jitter)
+        one_of("model.position_jitter_batches", position_jitter_batches, JITTER_BATCHES, error=PolicyError)
+        self.position_jitter_batches = position_jitter_batches
         if distill is not None and distill.needs_teacher and distill.share_modules:
             if "none" in self.freeze_stages():
                 raise PolicyError(SHARED_TEACHER_FROZEN)
@@ -360,7 +367,7 @@ class RecurFormerModule(L.LightningModule):
     def _jittered(self, batch: dict) -> dict:
         """``batch`` with ``position_ids`` shifted by an offset drawn from (seed, step), so a
         resumed fit draws the same ones (``position_jitter``; the batch itself without it)."""
-        if not self.position_jitter:
+        if not self.position_jitter or (self.position_jitter_batches == "long" and not batch.get("long")):
             return batch
         ids = batch["input_ids"]
         room = min(self.position_jitter, int(getattr(self.model.config, "max_position_embeddings", 0) or 0) - ids.shape[1])

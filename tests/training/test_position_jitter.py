@@ -59,3 +59,18 @@ def test_exact_attention_ignores_the_shift_and_an_open_state_does_not():
 def test_a_negative_jitter_is_refused_in_one_line():
     with pytest.raises(PolicyError, match=r"^model\.position_jitter: must be an integer >= 0, got -1"):
         RecurFormerModule(position_jitter=-1)
+
+
+def test_long_only_jitter_shifts_the_long_blocks_and_leaves_the_short_batches():
+    """``position_jitter_batches: long``: a batch the interleaved loader marks ``long`` is shifted
+    as with ``all``; a short batch keeps positions 0.. (no ``position_ids``)."""
+    torch.manual_seed(5)
+    module = RecurFormerModule(position_jitter=1000, position_jitter_batches="long")
+    module.model = tiny_model()
+    ids = random_ids(batch=1, length=200)
+    assert "position_ids" not in module._jittered({"input_ids": ids})
+    long = module._jittered({"input_ids": ids, "long": True})
+    everywhere = _module(1000, module.model)._jittered({"input_ids": ids, "long": True})
+    assert torch.equal(long["position_ids"], everywhere["position_ids"])  # the same draw as with "all"
+    with pytest.raises(PolicyError, match=r"^model\.position_jitter_batches: 'short' is not allowed; allowed: all, long"):
+        RecurFormerModule(position_jitter_batches="short")
