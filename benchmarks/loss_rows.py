@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     from rfkit.atomic import atomic_write_json
     from rfkit.provenance import command_line, stamp
     from rfkit.training import distill
-    from rfkit.training.distill import rowwise_loss
 
     parser = argparse.ArgumentParser(prog="loss_rows.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="4x511x49152", help="BATCHxPOSITIONSxVOCAB")
@@ -77,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = torch.randint(0, V, (B, L), generator=generator)
     fns = {
         "plain": plain_loss,
-        "rowwise": lambda s, y, t: rowwise_loss(s, targets=y, teacher=t)[0],
-        "rowwise_pytorch": lambda s, y, t: _without_kernel(lambda: rowwise_loss(s, targets=y, teacher=t)[0]),
+        "rowwise": lambda s, y, t: distill.rowwise_loss(s, targets=y, teacher=t)[0],
+        "rowwise_pytorch": lambda s, y, t: _without_kernel(lambda: distill.rowwise_loss(s, targets=y, teacher=t)[0]),
     }
     times = {name: [] for name in fns}
     outputs = {}
