@@ -46,9 +46,27 @@ def test_each_layers_state_alone_off_and_the_split_losses(converted_dir, tiny_co
     assert on["all"] != off["all"]
     assert math.log(off["all"]) - math.log(on["all"]) == pytest.approx(layers[opened]["delta_all"], abs=2e-4)
     assert "| layer | all | before 32 | from 32 on |" in (out / "state_by_layer.md").read_text()
+    # by position: spans of 8 predicted positions (the default, an eighth) cover the 63 of a
+    # 64-token block, and their token-weighted log ratios add up to the whole block's
+    spans = result["by_span"]
+    assert [(s["from"], s["to"]) for s in spans] == [(a, a + 8) for a in range(0, 56, 8)] + [(56, 63)]  # an eighth: 8
+    for key, whole in (("state_on", on["all"]), ("state_off", off["all"])):
+        weighted = sum((s["to"] - s["from"]) * math.log(s[key]) for s in spans) / 63
+        assert weighted == pytest.approx(math.log(whole), abs=1e-3)
+    assert any(s["state_on"] != s["state_off"] for s in spans)
+
+    # without the per-layer rows: the same totals from two forwards, no layer table
+    quick = tmp_path / "quick"
+    assert script.main([str(model), "--source", str(tiny_corpus), "--length", "64", "--split", "32", "--span", "32", "--no-layers", "--output", str(quick)]) == 0
+    fast = json.loads((quick / "state_by_layer.json").read_text())
+    assert fast["layers"] == [] and fast["ppl_ratio"] == result["ppl_ratio"]
+    assert [(s["from"], s["to"]) for s in fast["by_span"]] == [(0, 32), (32, 63)]
+    assert "| layer |" not in (quick / "state_by_layer.md").read_text()
 
 
 def test_a_split_outside_the_block_is_refused():
     script = load_script("benchmarks/state_by_layer.py")
     with pytest.raises(SystemExit, match="--split: 64 is not allowed"):
         script.report("unused", "embedded:shakespeare", 64, 1, 64)
+    with pytest.raises(SystemExit, match="--span: 0 is not allowed"):
+        script.report("unused", "embedded:shakespeare", 64, 1, 32, span=0)
