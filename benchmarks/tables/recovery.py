@@ -280,9 +280,17 @@ def recovery_ranking() -> str:
 # beta 0.9 with only the long blocks shifted (model.position_jitter_batches: long), fitted and
 # measured on an Intel Xeon with AMX: its bf16 original reads slightly differently from the AMD
 # EPYC's (the other tables), so these rows stand with their own sweeps' original and training-free row
-LONG_JITTER_ROWS = tuple(
-    (f"b09_longjitter_d{h}", "0.9", f"the recipe with only its 4,096-token blocks shifted (the Wikipedia batches stay at positions 0..511) and the decay horizon starting at {h} (`--model.position_jitter_batches long --model.operator.init_args.decay_horizon {h}`)", f"levers_smollm2_b09_longjitter_d{h}/fit_b09_longjitter_d{h}.json", f"levers_smollm2_b09_longjitter_d{h}/passkey.json", f"levers_smollm2_b09_longjitter_d{h}/sweep.json")
-    for h in (512, 1024)
+def _long_row(run: str, folder: str, label: str, fit: str) -> tuple:
+    """A beta 0.9 row of ``levers_smollm2_<folder>/``: its fit summary, passkey and sweep."""
+    base = f"levers_smollm2_{folder}"
+    return (run, "0.9", label, f"{base}/{fit}", f"{base}/passkey.json", f"{base}/sweep.json")
+
+
+_SHIFT_LONG = "the recipe with only its 4,096-token blocks shifted (the Wikipedia batches stay at positions 0..511)"
+LONG_JITTER_ROWS = (
+    *(_long_row(f"b09_longjitter_d{h}", f"b09_longjitter_d{h}", f"{_SHIFT_LONG} and the decay horizon starting at {h} (`--model.position_jitter_batches long --model.operator.init_args.decay_horizon {h}`)", f"fit_b09_longjitter_d{h}.json") for h in (512, 1024)),
+    _long_row("b09_lj8192_d2048", "b09_longjitter8192_d2048", "the recipe with only its 4,096-token blocks shifted, by up to 8,192, and the decay horizon starting at 2048 (`--model.position_jitter_batches long --model.position_jitter 8192 --model.operator.init_args.decay_horizon 2048`)", "fit_b09_lj8192_d2048.json"),
+    _long_row("b09_long8k", "b09_long8k", "the recipe trained on 12 blocks of 8,192 play tokens instead of 24 of 4,096, unshifted, the decay horizon starting at 1024, transfer's long blocks 2,048 tokens (`--model.operator.init_args.decay_horizon 1024 --model.position_jitter 0 --data.long_seq_len 8192 --data.long_every 4 --trainer.max_steps 60 --model.lr_scheduler.init_args.T_max 60 --model.transfer.long_seq_len 2048`)", "fit_b09_long8k.json"),
 )  # fmt: skip
 
 
