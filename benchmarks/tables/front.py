@@ -75,10 +75,11 @@ B075_SPEED = "speed_bf16/converted_b075_jitter.json"
 B075_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_b075_jitter/passkey_b075_jitter.json"}
 B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 _POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
-B09_SWEEP = "trained_smollm2_b09/sweep.json"
-B09_TRAINED = ("levers_smollm2_jitter/sweep.json", "runs/b09_playrank_jitter/")
-B09_FITS = {"StreamedLossPolicy": "levers_smollm2_jitter/fit_b09_playrank_jitter.json"}
-B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_jitter/passkey_b09_playrank_jitter.json"}
+# beta 0.9 on the AMX machine: both rankings training-free and the recipe's fit (seed 0) in one sweep
+B09_SWEEP = "trained_smollm2_b09_amx/sweep.json"
+B09_TRAINED = (B09_SWEEP, "runs/b09_lj8192_d2048/")
+B09_FITS = {"StreamedLossPolicy": "levers_smollm2_b09_longjitter8192_d2048/fit_b09_lj8192_d2048.json"}
+B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_b09_longjitter8192_d2048/passkey.json"}
 
 
 def _merged(free_file: str, trained: tuple[str, str]) -> dict:
@@ -119,7 +120,7 @@ def _beta_table(beta: float, sweep: str | dict, fit_files: dict, speed=None, pas
     rows = sweep["rows"]
     trained = {r["policy"]: r for r in rows if r.get("trained") and not r["operator"].endswith("state off")}
     state_off = {r["policy"]: r for r in rows if r.get("trained") and r["operator"].endswith("state off")}
-    free = {r["policy"]: r for r in rows if not r.get("trained")}
+    free = {r["policy"].split("(")[0]: r for r in rows if not r.get("trained")}  # streamed_loss(...): its arguments aside
     order_t = [p for p in ("RecencyRatioPolicy", "StreamedLossPolicy") if p in trained]
     order_f = [p for p in ("RecencyRatioPolicy", "streamed_loss") if p in free]
     original = sweep["original"]
