@@ -9,8 +9,9 @@ and in spans of ``--span`` tokens, an eighth of the block unless given).
 ``MODEL`` is a converted model directory whose mixers have a state ablation (the hybrid and
 hybrid-Mamba operators). A layer whose state hurts shows a *lower* loss with its state off
 (``delta`` < 0). Costs one forward of the original and ``2 + layers with a state`` forwards of
-the converted model per block (``--no-layers``: 2, the per-layer rows left out). Writes ``state_by_layer.json`` (with provenance) and
-``state_by_layer.md`` into ``--output`` (default: the model's folder) and prints the Markdown.
+the converted model per block (``--no-layers``: 2, the per-layer rows left out). Writes
+``state_by_layer.json`` (with provenance) and ``state_by_layer.md`` into ``--output`` (default:
+the model's folder) and prints the Markdown.
 """
 
 from __future__ import annotations
