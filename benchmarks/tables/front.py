@@ -65,9 +65,9 @@ def demo_precision(demo: dict) -> str:
 
 
 # beta 0.75 and 0.9: each recipe trained, against both rankings training-free at the same bytes.
-# The training-free rows come from the first sweep at that beta, the trained rows from the sweep
-# that scored the recipe's fit; both sweeps ran with the same arguments, so on the same blocks
-# (checked: the original's perplexities must be equal). The fits' own summaries give their wall time
+# The training-free rows and the trained rows may come from two sweeps run with the same arguments,
+# so on the same blocks (checked: the original's perplexities must be equal); today each beta's come
+# from one sweep. The fits' own summaries give their wall time
 # beta 0.75 on the AMX machine (where make demo's 11.3 min was timed): both rankings training-free and
 # the recipe's fit in one sweep
 B075_SWEEP = "trained_smollm2_b075_amx/sweep.json"

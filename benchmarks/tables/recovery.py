@@ -6,6 +6,8 @@ Used by docs/comparing.md and docs/mamba_recipe.md."""
 
 from __future__ import annotations
 
+import re
+
 from . import load, table
 from .front import passkey_cells
 from .trained import short
@@ -317,6 +319,7 @@ def recovery_long_jitter() -> str:
                 free.setdefault(r["policy"], r)
     for policy, row in free.items():
         cells = _cells(_ratios(row))
-        ranked = "by loss measured on 8,192-token blocks" if "long_seq_len=8192" in policy else "by loss measured on 2,048-token blocks"
+        length = re.search(r"long_seq_len=(\d+)", policy)
+        ranked = f"by loss measured on {int(length.group(1)):,}-token blocks" if length else f"by {policy}"
         lines.append(f"| 0.9 | training-free {short(row['operator'])}, heads ranked {ranked}, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
     return "\n".join(lines)
