@@ -65,11 +65,10 @@ def demo_precision(demo: dict) -> str:
 
 
 # beta 0.75 and 0.9: each recipe trained, against both rankings training-free at the same bytes.
-# The training-free rows and the trained rows may come from two sweeps run with the same arguments,
-# so on the same blocks (checked: the original's perplexities must be equal); today each beta's come
-# from one sweep. The fits' own summaries give their wall time
-# beta 0.75 on the AMX machine (where make demo's 11.3 min was timed): both rankings training-free and
-# the recipe's fit in one sweep
+# The training-free and trained rows may come from two sweeps run with the same arguments, so on the
+# same blocks (checked: the original's perplexities must be equal); the fits' own summaries give their
+# wall time. Beta 0.75 on the AMX machine (where make demo's 11.3 min was timed): both rankings
+# training-free and the recipe's fit in one sweep
 B075_SWEEP = "trained_smollm2_b075_amx/sweep.json"
 B075_TRAINED = (B075_SWEEP, "runs/b075_amx/")
 B075_FITS = {"StreamedLossPolicy": "trained_smollm2_b075_amx/fit_b075_recipe.json"}
