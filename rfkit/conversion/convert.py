@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -85,8 +86,6 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
     to reuse the cached profile only if every one of them finds it (a cache that is not on
     shared storage may exist on one node only), profile together otherwise (see
     :func:`rfkit.conversion.profile.profile_heads`), and only global rank 0 writes the cache file."""
-    from rfkit.conversion.profile import _all_reduce, collective_device, dist_rank_world
-
     settings = policy.profile_settings()
     if settings is None:
         return None, {}
@@ -94,7 +93,22 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
         raise ValueError(f"{type(policy).__name__} needs calibration data (a data section)")
     datamodule.setup("fit")
     data_info = datamodule.describe()
-    path = profile_cache_path(model_name, datamodule.fingerprint(), settings, len(datamodule.calibration))
+    fingerprint, samples = datamodule.fingerprint(), len(datamodule.calibration)
+
+    def cached(part_settings: dict, make):  # a policy's part measured alone (several lengths), cached alike
+        return _cached_profile(profile_cache_path(model_name, fingerprint, part_settings, samples), make, reuse, model)
+
+    takes_cache = "profile_cache" in inspect.signature(policy.make_profile).parameters  # plugins need not
+    extra = {"profile_cache": cached} if takes_cache else {}
+    loader = datamodule.calibration_dataloader
+    make = lambda: policy.make_profile(model, loader(), progress=progress, datamodule=datamodule, **extra)  # noqa: E731
+    return cached(settings, make), data_info
+
+
+def _cached_profile(path: Path, make, reuse: bool, model):
+    """The profile at ``path`` when every rank finds it, else ``make()`` (saved by rank 0)."""
+    from rfkit.conversion.profile import _all_reduce, collective_device, dist_rank_world
+
     rank, world = dist_rank_world()
     found = reuse and path.exists()
     if reuse and world > 1:  # one decision for all ranks, or they would not meet in profile_heads
@@ -103,11 +117,11 @@ def profile_for(model, model_name: str, policy: HeadSelectionPolicy, datamodule=
         found = bool(flag.item())
     if found:
         log.info("reusing head profile %s", path)
-        return load_profile(path), data_info
-    profile = policy.make_profile(model, datamodule.calibration_dataloader(), progress=progress, datamodule=datamodule)
+        return load_profile(path)
+    profile = make()
     if rank == 0:
         save_profile(profile, path)
-    return profile, data_info
+    return profile
 
 
 def fingerprint_model(model, model_name: str) -> dict:

@@ -29,6 +29,7 @@ ratio with the same calibration data, so the head map holds both rankings side b
 
 from __future__ import annotations
 
+import copy
 from typing import Literal, NamedTuple
 
 import torch
@@ -189,12 +190,18 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             bytes of rfkit's default hybrid state, see ``rfkit eval context --baseline matched``).
         blocks: Blocks the loss is measured on: the first ones of the calibration set (all of
             them when fewer), or with ``long_source`` that many blocks spread evenly over its
-            train split. Cost: one pass over them per unit, from the unit's layer on.
+            train split. Cost: one pass over them per unit, from the unit's layer on. With
+            several ``long_seq_len``, one count per length (or one for all).
         long_source: Measure on long documents instead (a data source such as
             ``embedded:shakespeare``, read in the recipe's tokenisation, train split): a head
             that averages over the whole context can be streamed for free in a 512-token block
             and still be needed at 8k. None (default): the calibration blocks.
-        long_seq_len: Tokens per block of ``long_source``.
+        long_seq_len: Tokens per block of ``long_source``, or a list of lengths (e.g. ``[2048,
+            8192]``): each length is measured on its own (and cached as a one-length
+            measurement would be), and units are ranked by the sum over lengths of their
+            increase divided by the mean increase of all units at that length, so that no
+            length outweighs another because its increases run larger. A group needed only at
+            8k and one needed only at 2k then compete on equal terms.
         recall: Records planted in each measured block (0, the default: none), each recalled at
             least ``recall_gap`` tokens later (:mod:`rfkit.data.recall`, the training mix's
             ``data.long_recall``). The loss increase on the recalled numbers' tokens is
@@ -213,9 +220,9 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         self,
         sink: int = 4,
         recent: int = 64,
-        blocks: int = 8,
+        blocks: int | list[int] = 8,
         long_source: str | None = None,
-        long_seq_len: int = 2048,
+        long_seq_len: int | list[int] = 2048,
         recall: int = 0,
         recall_gap: int = 256,
         recall_weight: float = 0.1,
@@ -231,15 +238,18 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         super().__init__(window, alpha, beta, exclude_first_token, granularity, scope, keep_layers, allow_all_heads)
         positive_int("model.policy.sink", sink, 0, error=PolicyError, message="{field}: {value!r} is not allowed; sink must be an integer >= {minimum}")
         positive_int("model.policy.recent", recent, error=PolicyError, message="{field}: {value!r} is not allowed; recent must be an integer >= {minimum}")
-        positive_int("model.policy.blocks", blocks, error=PolicyError, message="{field}: {value!r} is not allowed; blocks must be an integer >= {minimum}")
-        positive_int("model.policy.long_seq_len", long_seq_len, 2, error=PolicyError, message="{field}: {value!r} is not allowed; long_seq_len must be an integer >= {minimum}")
+        lengths, counts = _lengths_and_counts(long_seq_len, blocks)
         if long_source is not None and (not isinstance(long_source, str) or not long_source.strip()):
             raise PolicyError(f"model.policy.long_source: {long_source!r} is not allowed; give a data source (a path, URL or embedded:NAME) or null")
+        if len(lengths) > 1 and long_source is None:
+            raise PolicyError(f"model.policy.long_seq_len: {long_seq_len!r} needs long_source; several lengths are measured on long documents (e.g. long_source: embedded:shakespeare)")
         positive_int("model.policy.recall", recall, 0, error=PolicyError, message="{field}: {value!r} is not allowed; recall must be an integer >= {minimum} (records per measured block)")
         positive_int("model.policy.recall_gap", recall_gap, 0, error=PolicyError, message="{field}: {value!r} is not allowed; recall_gap must be an integer >= {minimum}")
         in_range("model.policy.recall_weight", recall_weight, 0, finite=True, error=PolicyError, message="{field}: {value!r} is not allowed; recall_weight must be a finite number >= 0")
-        self.sink, self.recent, self.blocks = int(sink), int(recent), int(blocks)
-        self.long_source, self.long_seq_len = long_source, int(long_seq_len)
+        self.sink, self.recent = int(sink), int(recent)
+        # one length: plain integers, as before (so cached one-length measurements keep their key)
+        self.blocks = counts[0] if len(lengths) == 1 else counts
+        self.long_source, self.long_seq_len = long_source, lengths[0] if len(lengths) == 1 else lengths
         self.recall, self.recall_gap, self.recall_weight = int(recall), int(recall_gap), float(recall_weight)
 
     def profile_settings(self) -> dict:
@@ -258,8 +268,33 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         # the weight decides the ranking but not the measurement (not in profile_settings)
         return {**super().describe(), **({"recall_weight": self.recall_weight} if self.recall else {})}
 
-    def make_profile(self, model, batches, progress: bool = True, datamodule=None) -> HeadProfile:
+    def lengths(self) -> list[tuple[int, int]]:
+        """``(long_seq_len, blocks)`` of every length measured (one unless a list was given)."""
+        if isinstance(self.long_seq_len, list):
+            return list(zip(self.long_seq_len, self.blocks))
+        return [(self.long_seq_len, self.blocks)]
+
+    def at_length(self, long_seq_len: int, blocks: int) -> "StreamedLossPolicy":
+        """This policy measuring one length only (the settings of its one-length profile)."""
+        one = copy.copy(self)
+        one.long_seq_len, one.blocks = int(long_seq_len), int(blocks)
+        return one
+
+    def make_profile(self, model, batches, progress: bool = True, datamodule=None, profile_cache=None) -> HeadProfile:
+        """The recency profile plus the measured losses (``meta["measured"]``). With several
+        lengths each is measured by :meth:`at_length`'s policy, through ``profile_cache(settings,
+        make)`` when given (the pipeline's profile cache: a length measured before, alone or in
+        another list, is read back), and :func:`combine_lengths` ranks them together."""
         batches = list(batches)
+        if len(self.lengths()) > 1:
+            parts = []
+            for length, count in self.lengths():
+                one = self.at_length(length, count)
+                make = lambda one=one: one.make_profile(model, batches, progress, datamodule)  # noqa: E731
+                parts.append(profile_cache(one.profile_settings(), make) if profile_cache else make())
+            profile = copy.copy(parts[0])
+            profile.meta = {**parts[0].meta, "measured": combine_lengths([p.meta["measured"] for p in parts], self.recall_weight)}
+            return profile
         rr = super().profile_settings()
         profile = profile_heads(model, batches, progress=progress, **rr)
         layout = AttentionLayout.from_config(model.config)
@@ -334,6 +369,51 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         return {key: (-delta[key[0]][key[1]], recency[key][0]) for key in recency}
 
 
+def _lengths_and_counts(long_seq_len, blocks) -> tuple[list[int], list[int]]:
+    """``long_seq_len`` and ``blocks`` as equal-length lists, checked (one clear line each)."""
+    several = isinstance(long_seq_len, (list, tuple))
+    lengths = list(long_seq_len) if several else [long_seq_len]
+    if not lengths:
+        raise PolicyError("model.policy.long_seq_len: [] is not allowed; give one length or a list of them")
+    for length in lengths:
+        positive_int("model.policy.long_seq_len", length, 2, error=PolicyError, message="{field}: {value!r} is not allowed; long_seq_len must be an integer >= {minimum} or a list of them")
+    if len(set(lengths)) != len(lengths):
+        raise PolicyError(f"model.policy.long_seq_len: {long_seq_len!r} is not allowed; each length once")
+    counts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks] * len(lengths)
+    if len(counts) != len(lengths):
+        raise PolicyError(f"model.policy.blocks: {blocks!r} is not allowed; give one count, or one per long_seq_len ({len(lengths)})")
+    for count in counts:
+        positive_int("model.policy.blocks", count, error=PolicyError, message="{field}: {value!r} is not allowed; blocks must be an integer >= {minimum} or one per long_seq_len")
+    return [int(x) for x in lengths], [int(x) for x in counts]
+
+
+def combine_lengths(parts: list[dict], recall_weight: float = 0.1) -> dict:
+    """One ``measured`` record from one per length: each unit's cost (:func:`measured_cost`) at
+    each length divided by the mean absolute cost of all units at that length, summed over the
+    lengths. Unitless; ``by_length`` keeps every length's own record."""
+    total = None
+    for part in parts:
+        cost = measured_cost(part, recall_weight)
+        flat = [abs(x) for row in cost for x in row]
+        scale = sum(flat) / len(flat) or 1.0
+        scaled = [[x / scale for x in row] for row in cost]
+        total = scaled if total is None else [[a + b for a, b in zip(r, s)] for r, s in zip(total, scaled)]
+    first = parts[0]
+    return {
+        "name": MEASURE,
+        "what": "sum over the measured lengths of the unit's loss increase divided by the mean absolute increase of all units at that length",
+        "granularity": first["granularity"],
+        "sink": first["sink"],
+        "recent": first["recent"],
+        "source": first["source"],
+        "seq_len": [p["seq_len"] for p in parts],
+        "blocks": [p["blocks"] for p in parts],
+        "tokens": sum(p["tokens"] for p in parts),
+        "delta": [[round(x, 7) for x in row] for row in total],
+        "by_length": {str(p["seq_len"]): p for p in parts},
+    }
+
+
 def measured_delta(profile) -> list[list[float]]:
     """The per-unit loss increases a :class:`StreamedLossPolicy` measured, from its profile
     (``meta["measured"]``) or from a head map it made (``measured``)."""
@@ -345,9 +425,15 @@ def measured_delta(profile) -> list[list[float]]:
 
 def measured_cost(profile, recall_weight: float) -> list[list[float]]:
     """What the ranking reads per unit: the text loss increase, plus ``recall_weight`` times the
-    answer tokens' increase where records were planted (the text increase alone otherwise)."""
-    delta = measured_delta(profile)
-    measured = getattr(profile, "measured", None) or profile.meta["measured"]
+    answer tokens' increase where records were planted (the text increase alone otherwise); for
+    several lengths, their combination at this weight (:func:`combine_lengths`)."""
+    if isinstance(profile, dict):  # one ``measured`` record (combine_lengths)
+        delta, measured = profile["delta"], profile
+    else:
+        delta = measured_delta(profile)
+        measured = getattr(profile, "measured", None) or profile.meta["measured"]
+    if "by_length" in measured:  # several lengths: combined again at this weight
+        return combine_lengths(list(measured["by_length"].values()), recall_weight)["delta"]
     recall = (measured.get("recall") or {}).get("delta")
     if not recall:
         return delta

@@ -14,6 +14,7 @@ from helpers import load_script, random_ids, run_cli, tiny_args, tiny_model
 from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
 from rfkit.conversion.streamed_loss import (
     StreamedLossPolicy,
+    combine_lengths,
     disagreement,
     measured_cost,
     measured_delta,
@@ -197,6 +198,41 @@ def test_bad_settings_name_the_field(field, value):
         StreamedLossPolicy(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "settings,field",
+    [({"long_seq_len": [64, 128]}, "long_seq_len"), ({"long_seq_len": [64, 64], "long_source": "x"}, "long_seq_len"),
+     ({"long_seq_len": [64, 128], "blocks": [1, 2, 3], "long_source": "x"}, "blocks"),
+     ({"long_seq_len": [64, 1], "long_source": "x"}, "long_seq_len"), ({"long_seq_len": [], "long_source": "x"}, "long_seq_len"),
+     ({"long_seq_len": [64, 128], "blocks": [1, 0], "long_source": "x"}, "blocks")],
+)  # fmt: skip
+def test_bad_length_lists_name_the_field(settings, field):
+    with pytest.raises(PolicyError, match=f"model.policy.{field}: "):
+        StreamedLossPolicy(**settings)
+
+
+def _measured(seq_len: int, delta: list[list[float]], recall: list[list[float]] | None = None) -> dict:
+    extra = {"recall": {"delta": recall}} if recall else {}
+    return {"name": "streamed_loss", "granularity": "kv_group", "sink": 4, "recent": 64, "source": "s",
+            "seq_len": seq_len, "blocks": 1, "tokens": seq_len - 1, "delta": delta, **extra}  # fmt: skip
+
+
+def test_lengths_are_ranked_by_their_increases_over_each_lengths_mean():
+    # at 8k the increases run 10x larger: without scaling, 8k alone would decide
+    short = _measured(2048, [[0.01, 0.03], [0.02, 0.02]])  # mean 0.02
+    long = _measured(8192, [[0.4, 0.1], [0.1, 0.2]])  # mean 0.2
+    combined = combine_lengths([short, long])
+    assert combined["delta"] == [[0.5 + 2.0, 1.5 + 0.5], [1.0 + 0.5, 1.0 + 1.0]]
+    assert combined["seq_len"] == [2048, 8192] and combined["tokens"] == 2047 + 8191
+    assert combined["by_length"]["8192"] is long
+    # the ranking reads the combination; planted records enter at the weight read at selection
+    policy = StreamedLossPolicy(long_source="s", long_seq_len=[2048, 8192], blocks=1, beta=0.5)
+    assert policy.lengths() == [(2048, 1), (8192, 1)] and policy.at_length(8192, 1).profile_settings()["long_seq_len"] == 8192
+    with_recall = combine_lengths([_measured(2048, [[0.0, 0.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]]), long], 0.5)
+    assert measured_cost(with_recall, 0.5) == combine_lengths(list(with_recall["by_length"].values()), 0.5)["delta"]
+    assert measured_cost(with_recall, 0.0) == combine_lengths(list(with_recall["by_length"].values()), 0.0)["delta"]
+    assert measured_cost(with_recall, 0.0) != measured_cost(with_recall, 0.5)
+
+
 def _convert_on_long_blocks(tiny_model_dir, tiny_corpus, tmp_path, capsys, *extra: str) -> dict:
     """``rfkit convert`` with StreamedLossPolicy measured on 2 long blocks of the tiny corpus
     (its train split, 64 tokens each), plus ``extra``; returns the head map."""
@@ -265,3 +301,21 @@ def test_the_disagreement_report_reads_a_head_map_the_policy_made(tmp_path):
     assert all(r["extra_loss_of_recency_choice"] >= 0 for r in result["betas"])
     text = (tmp_path / "disagreement.md").read_text()
     assert "| 0.5 | 2 |" in text and "sink 2 + recent 5" in text
+
+
+@pytest.mark.slow
+def test_several_lengths_are_measured_one_by_one_and_reuse_a_one_length_measurement(tiny_model_dir, tiny_corpus, tmp_path, capsys, caplog):
+    import logging
+
+    single = _convert_on_long_blocks(tiny_model_dir, tiny_corpus, tmp_path / "one", capsys, "--model.policy.init_args.blocks", "1")
+    with caplog.at_level(logging.INFO, logger="rfkit.conversion.convert"):
+        both = _convert_on_long_blocks(
+            tiny_model_dir, tiny_corpus, tmp_path / "two", capsys,
+            "--model.policy.init_args.long_seq_len", "[32, 64]", "--model.policy.init_args.blocks", "[2, 1]",
+        )  # fmt: skip
+    assert sum("reusing head profile" in r.getMessage() for r in caplog.records) == 1  # the 64-token part
+    measured = both["measured"]
+    assert measured["seq_len"] == [32, 64] and measured["blocks"] == [2, 1] and measured["tokens"] == 2 * 31 + 63
+    assert measured["by_length"]["64"]["delta"] == single["measured"]["delta"]
+    assert measured["delta"] == combine_lengths(list(measured["by_length"].values()))["delta"]
+    assert both["policy"]["long_seq_len"] == [32, 64]
