@@ -85,8 +85,11 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
     if (model.get("transfer") or {}).get("long_source"):
         args += ["--model.transfer.long_source", str(corpus), "--model.transfer.long_seq_len", str(LONG_LEN),
                  "--model.transfer.long_samples", "2"]  # fmt: skip
-    if (model["policy"].get("init_args") or {}).get("long_source"):  # heads measured on long blocks
-        args += ["--model.policy.init_args.long_source", str(corpus), "--model.policy.init_args.long_seq_len", str(LONG_LEN)]
+    policy_args = model["policy"].get("init_args") or {}
+    if policy_args.get("long_source"):  # heads measured on long blocks (several lengths: as many, halving)
+        lengths = policy_args.get("long_seq_len")
+        scaled = [LONG_LEN // 2**i for i in reversed(range(len(lengths)))] if isinstance(lengths, list) else LONG_LEN
+        args += ["--model.policy.init_args.long_source", str(corpus), "--model.policy.init_args.long_seq_len", json.dumps(scaled)]
     if data_args.get("long_source"):
         args += ["--data.long_source", str(corpus), "--data.long_seq_len", str(LONG_LEN), "--data.long_every", "1"]
     if "hops" in data_args:  # HashHop fine-tuning: short chains, a handful of samples

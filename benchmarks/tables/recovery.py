@@ -293,6 +293,7 @@ LONG_JITTER_ROWS = (
     *(_long_row(f"b09_longjitter_d{h}", f"b09_longjitter_d{h}", f"{_SHIFT_LONG} and the decay horizon starting at {h} (`--model.position_jitter_batches long --model.operator.init_args.decay_horizon {h}`)", f"fit_b09_longjitter_d{h}.json") for h in (512, 1024)),
     _long_row("b09_lj8192_d2048", "b09_longjitter8192_d2048", "the recipe with only its 4,096-token blocks shifted, by up to 8,192, and the decay horizon starting at 2048 (`--model.position_jitter_batches long --model.position_jitter 8192 --model.operator.init_args.decay_horizon 2048`)", "fit_b09_lj8192_d2048.json"),
     _long_row("b09_rank8k", "b09_rank8k", "the recipe with its heads ranked by loss measured on one 8,192-token play block instead of two of 2,048 (`--model.policy.init_args.long_seq_len 8192 --model.policy.init_args.blocks 1`)", "fit_b09_rank8k.json"),
+    _long_row("b09_rank2k8k", "b09_rank2k8k", "the recipe with its heads ranked on both lengths, two 2,048-token play blocks and one of 8,192, each group's two increases summed after dividing each by that length's mean (`--model.policy.init_args.long_seq_len '[2048, 8192]' --model.policy.init_args.blocks '[2, 1]'`: `recipes/smollm2_b09.yaml` now)", "fit_b09_rank2k8k.json"),
     _long_row("b09_long8k", "b09_long8k", "the recipe trained on 12 blocks of 8,192 play tokens instead of 24 of 4,096, unshifted, the decay horizon starting at 1024, transfer's long blocks 2,048 tokens (`--model.operator.init_args.decay_horizon 1024 --model.position_jitter 0 --data.long_seq_len 8192 --data.long_every 4 --trainer.max_steps 60 --model.lr_scheduler.init_args.T_max 60 --model.transfer.long_seq_len 2048`)", "fit_b09_long8k.json"),
 )  # fmt: skip
 
@@ -319,7 +320,10 @@ def recovery_long_jitter() -> str:
                 free.setdefault(r["policy"], r)
     for policy, row in free.items():
         cells = _cells(_ratios(row))
-        length = re.search(r"long_seq_len=(\d+)", policy)
-        ranked = f"by loss measured on {int(length.group(1)):,}-token blocks" if length else f"by {policy}"
+        length = re.search(r"long_seq_len=(?:\[([\d, ]+)\]|(\d+))", policy)
+        sizes = [f"{int(n):,}" for n in (length.group(1) or length.group(2)).split(",")] if length else []
+        ranked = f"by loss measured on {' and '.join(sizes)}-token blocks" if sizes else f"by {policy}"
+        if len(sizes) > 1:
+            ranked += " (each length's increases over their mean, summed)"
         lines.append(f"| 0.9 | training-free {short(row['operator'])}, heads ranked {ranked}, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
     return "\n".join(lines)
