@@ -68,19 +68,20 @@ def demo_precision(demo: dict) -> str:
 # The training-free and trained rows may come from two sweeps run with the same arguments, so on the
 # same blocks (checked: the original's perplexities must be equal); the fits' own summaries give their
 # wall time. Beta 0.75 on the AMX machine (where make demo's 11.3 min was timed): both rankings
-# training-free and the recipe's fit in one sweep
-B075_SWEEP = "trained_smollm2_b075_amx/sweep.json"
-B075_TRAINED = (B075_SWEEP, "runs/b075_amx/")
-B075_FITS = {"StreamedLossPolicy": "trained_smollm2_b075_amx/fit_b075_recipe.json"}
-B075_SPEED = "trained_smollm2_b075_amx/speed.json"
-B075_PASSKEY = {"StreamedLossPolicy": "trained_smollm2_b075_amx/passkey.json"}
+# training-free and the recipe's fit (seed 0; seed 1 is in the same sweep) in one sweep
+B075_SWEEP = "trained_smollm2_b075_longjitter/sweep.json"
+B075_TRAINED = (B075_SWEEP, "runs/b075_longjitter/")
+B075_FITS = {"StreamedLossPolicy": "trained_smollm2_b075_longjitter/fit_b075_longjitter.json"}
+B075_SPEED = "trained_smollm2_b075_longjitter/speed.json"
+B075_PASSKEY = {"StreamedLossPolicy": "trained_smollm2_b075_longjitter/passkey.json"}
 B075_PASSKEY_ORIGINAL = "passkey_smollm2_b075_original.json"  # the same keys, the model before conversion
 _POLICY = {"RecencyRatioPolicy": "recency", "StreamedLossPolicy": "measured loss", "streamed_loss": "measured loss"}
-# beta 0.9 on the AMX machine: both rankings training-free and the recipe's fit (seed 0) in one sweep
-B09_SWEEP = "trained_smollm2_b09_amx/sweep.json"
-B09_TRAINED = (B09_SWEEP, "runs/b09_lj8192_d2048/")
-B09_FITS = {"StreamedLossPolicy": "levers_smollm2_b09_longjitter8192_d2048/fit_b09_lj8192_d2048.json"}
-B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_b09_longjitter8192_d2048/passkey.json"}
+# beta 0.9 on the AMX machine: both rankings training-free and the recipe's fit (seed 0; seed 1 is
+# in the same sweep) in one sweep
+B09_SWEEP = "trained_smollm2_b09_rank2k8k/sweep.json"
+B09_TRAINED = (B09_SWEEP, "runs/b09_rank2k8k/")
+B09_FITS = {"StreamedLossPolicy": "levers_smollm2_b09_rank2k8k/fit_b09_rank2k8k.json"}
+B09_PASSKEY = {"StreamedLossPolicy": "levers_smollm2_b09_rank2k8k/passkey.json"}
 
 
 def _merged(free_file: str, trained: tuple[str, str]) -> dict:

@@ -240,10 +240,10 @@ J8K_DECAY512 = "levers_smollm2_b09_j8192_decay512"
 PLAYS_FLAGS = "`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len 2048 --model.policy.init_args.blocks 2`"
 RANK_ROWS = (
     (*RECALL_ROWS[3][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b075.yaml` before", *RECALL_ROWS[3][3:]),
-    ("b075_jitter", "0.75", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b075.yaml` now", f"{B075_JITTER}/fit_b075_jitter.json", f"{B075_JITTER}/passkey_b075_jitter.json", f"{B075_JITTER}/sweep.json"),
+    ("b075_jitter", "0.75", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b075.yaml` until it shifted only the long blocks", f"{B075_JITTER}/fit_b075_jitter.json", f"{B075_JITTER}/passkey_b075_jitter.json", f"{B075_JITTER}/sweep.json"),
     (*RECALL_ROWS[5][:2], "72 steps, 4,096-token blocks, heads ranked on Wikipedia: `recipes/smollm2_b09.yaml` before", *RECALL_ROWS[5][3:]),
     ("b09_playrank", "0.9", f"the same, heads ranked by loss measured on 2 x 2,048 play tokens ({PLAYS_FLAGS})", f"{RANK}/fit_b09_playrank.json", f"{RANK}/passkey_b09_playrank.json", f"{RANK}/sweep.json"),
-    ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` now", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
+    ("b09_playrank_jitter", "0.9", "the same, positions shifted by up to 4,096 in training (`--model.position_jitter 4096`): `recipes/smollm2_b09.yaml` until it shifted only the long blocks", f"{JITTER}/fit_b09_playrank_jitter.json", f"{JITTER}/passkey_b09_playrank_jitter.json", f"{JITTER}/sweep.json"),
     ("b09_jitter_decay512", "0.9", "the recipe now with the state's decay horizon starting at 512 tokens instead of 128 (`--model.operator.init_args.decay_horizon 512`; the training loss in one rowwise pass)", f"{DECAY512}/fit_b09_decay512.json", f"{DECAY512}/passkey_b09_decay512.json", f"{DECAY512}/sweep.json"),
     ("b09_jitter8192", "0.9", "the recipe now with shifts of up to 8,192 instead of 4,096 (`--model.position_jitter 8192`: a 512-token batch then moves by up to 7,680, a 4,096-token block still by up to 4,096, the model's context being 8,192)", f"{JITTER8K}/fit_b09_jitter8192.json", f"{JITTER8K}/passkey_b09_jitter8192.json", f"{JITTER8K}/sweep.json"),
     ("b09_j8192_decay512", "0.9", "both: shifts of up to 8,192 and the decay horizon starting at 512 (`--model.position_jitter 8192 --model.operator.init_args.decay_horizon 512`)", f"{J8K_DECAY512}/fit_b09_j8192_decay512.json", f"{J8K_DECAY512}/passkey_b09_j8192_decay512.json", f"{J8K_DECAY512}/sweep.json"),
@@ -294,6 +294,7 @@ LONG_JITTER_ROWS = (
     _long_row("b09_lj8192_d2048", "b09_longjitter8192_d2048", "the recipe with only its 4,096-token blocks shifted, by up to 8,192, and the decay horizon starting at 2048 (`--model.position_jitter_batches long --model.position_jitter 8192 --model.operator.init_args.decay_horizon 2048`)", "fit_b09_lj8192_d2048.json"),
     _long_row("b09_rank8k", "b09_rank8k", "the recipe with its heads ranked by loss measured on one 8,192-token play block instead of two of 2,048 (`--model.policy.init_args.long_seq_len 8192 --model.policy.init_args.blocks 1`)", "fit_b09_rank8k.json"),
     _long_row("b09_rank2k8k", "b09_rank2k8k", "the recipe with its heads ranked on both lengths, two 2,048-token play blocks and one of 8,192, each group's two increases summed after dividing each by that length's mean (`--model.policy.init_args.long_seq_len '[2048, 8192]' --model.policy.init_args.blocks '[2, 1]'`: `recipes/smollm2_b09.yaml` now)", "fit_b09_rank2k8k.json"),
+    ("b09_rank2k8k_seed1", "0.9", "the same with `--seed_everything 1`", "trained_smollm2_b09_rank2k8k/fit_b09_rank2k8k_seed1.json", "trained_smollm2_b09_rank2k8k/passkey_seed1.json", "trained_smollm2_b09_rank2k8k/sweep.json"),
     _long_row("b09_long8k", "b09_long8k", "the recipe trained on 12 blocks of 8,192 play tokens instead of 24 of 4,096, unshifted, the decay horizon starting at 1024, transfer's long blocks 2,048 tokens (`--model.operator.init_args.decay_horizon 1024 --model.position_jitter 0 --data.long_seq_len 8192 --data.long_every 4 --trainer.max_steps 60 --model.lr_scheduler.init_args.T_max 60 --model.transfer.long_seq_len 2048`)", "fit_b09_long8k.json"),
 )  # fmt: skip
 
@@ -302,7 +303,41 @@ LONG_JITTER_ROWS = (
 def recovery_long_jitter() -> str:
     """Beta 0.9 with only the long blocks shifted, beside the training-free model on the same heads
     and bytes from the same sweep (every sweep must have measured the same original)."""
-    rows = LONG_JITTER_ROWS
+    return _long_table(LONG_JITTER_ROWS, "0.9")
+
+
+# beta 0.75 on the same AMX machine: the recipe as it was (every batch shifted) and with only the
+# long blocks shifted, two seeds, in sweeps with the same arguments
+B075_AMX, B075_LONG = "trained_smollm2_b075_amx", "trained_smollm2_b075_longjitter"
+B075_LONG_ROWS = (
+    ("b075_amx", "0.75", "every batch shifted by up to 4,096: `recipes/smollm2_b075.yaml` before (`--model.position_jitter_batches all`)", f"{B075_AMX}/fit_b075_recipe.json", f"{B075_AMX}/passkey.json", f"{B075_AMX}/sweep.json"),
+    ("b075_longjitter", "0.75", "only the 4,096-token play blocks shifted, the Wikipedia batches at positions 0..511: `recipes/smollm2_b075.yaml` now (`--model.position_jitter_batches long`)", f"{B075_LONG}/fit_b075_longjitter.json", f"{B075_LONG}/passkey.json", f"{B075_LONG}/sweep.json"),
+    ("b075_longjitter_seed1", "0.75", "the same with `--seed_everything 1`", f"{B075_LONG}/fit_b075_longjitter_seed1.json", f"{B075_LONG}/passkey_seed1.json", f"{B075_LONG}/sweep.json"),
+)  # fmt: skip
+
+
+@table("recovery_long_jitter_b075")
+def recovery_long_jitter_b075() -> str:
+    """Beta 0.75 with every batch or only the long blocks shifted, on the AMX machine."""
+    return _long_table(B075_LONG_ROWS, "0.75")
+
+
+_RANKINGS = {"RecencyRatioPolicy": "by the recency ratio", "streamed_loss": "by loss measured on 8 x 512 Wikipedia tokens"}
+
+
+def _ranked(policy: str) -> str:
+    """How a sweep's policy label ranks the heads, in words."""
+    length = re.search(r"long_seq_len=(?:\[([\d, ]+)\]|(\d+))", policy)
+    if not length:
+        return _RANKINGS.get(policy, f"by {policy}")
+    sizes = [f"{int(n):,}" for n in (length.group(1) or length.group(2)).split(",")]
+    both = " (each length's increases over their mean, summed)" if len(sizes) > 1 else ""
+    return f"by loss measured on {' and '.join(sizes)}-token blocks{both}"
+
+
+def _long_table(rows: tuple, beta: str) -> str:
+    """The trained rows (``_lever_line`` entries) and one training-free row per ranking the sweeps
+    scored (from the first sweep that scored it); every sweep must have measured the same original."""
     sweeps = {entry[5]: load(entry[5]) for entry in rows}
     _same_original(sweeps)
     machine = load(rows[0][3])["provenance"].get("machine", "machine not recorded")
@@ -311,8 +346,6 @@ def recovery_long_jitter() -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     lines += [_lever_line(entry) for entry in rows]
-    # one training-free row per ranking the fits used (the policy as the sweep names it), from the
-    # first sweep that scored it
     free = {}
     for entry in rows:
         for r in sweeps[entry[5]]["rows"]:
@@ -320,10 +353,5 @@ def recovery_long_jitter() -> str:
                 free.setdefault(r["policy"], r)
     for policy, row in free.items():
         cells = _cells(_ratios(row))
-        length = re.search(r"long_seq_len=(?:\[([\d, ]+)\]|(\d+))", policy)
-        sizes = [f"{int(n):,}" for n in (length.group(1) or length.group(2)).split(",")] if length else []
-        ranked = f"by loss measured on {' and '.join(sizes)}-token blocks" if sizes else f"by {policy}"
-        if len(sizes) > 1:
-            ranked += " (each length's increases over their mean, summed)"
-        lines.append(f"| 0.9 | training-free {short(row['operator'])}, heads ranked {ranked}, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
+        lines.append(f"| {beta} | training-free {short(row['operator'])}, heads ranked {_ranked(policy)}, the same bytes | {cells[0]} | {' / '.join(cells[1:])} | - | - | none |")
     return "\n".join(lines)
