@@ -286,17 +286,28 @@ class StreamedLossPolicy(RecencyRatioPolicy):
         make)`` when given (the pipeline's profile cache: a length measured before, alone or in
         another list, is read back), and :func:`combine_lengths` ranks them together."""
         batches = list(batches)
-        if len(self.lengths()) > 1:
-            parts = []
-            for length, count in self.lengths():
-                one = self.at_length(length, count)
-                make = lambda one=one: one.make_profile(model, batches, progress, datamodule)  # noqa: E731
-                parts.append(profile_cache(one.profile_settings(), make) if profile_cache else make())
-            profile = copy.copy(parts[0])
-            profile.meta = {**parts[0].meta, "measured": combine_lengths([p.meta["measured"] for p in parts], self.recall_weight)}
-            return profile
-        rr = super().profile_settings()
-        profile = profile_heads(model, batches, progress=progress, **rr)
+        if len(self.lengths()) == 1:
+            return self._with_measurement(self._recency(model, batches, progress), model, batches, progress, datamodule)
+        recency = []  # the recency profile is the same for every length: made once, when a part is made
+
+        def make(one):
+            if not recency:
+                recency.append(self._recency(model, batches, progress))
+            return one._with_measurement(copy.copy(recency[0]), model, batches, progress, datamodule)
+
+        parts = []
+        for length, count in self.lengths():
+            one = self.at_length(length, count)
+            parts.append(profile_cache(one.profile_settings(), lambda one=one: make(one)) if profile_cache else make(one))
+        profile = copy.copy(parts[0])
+        profile.meta = {**parts[0].meta, "measured": combine_lengths([p.meta["measured"] for p in parts], self.recall_weight)}
+        return profile
+
+    def _recency(self, model, batches: list, progress: bool) -> HeadProfile:
+        return profile_heads(model, batches, progress=progress, **super().profile_settings())
+
+    def _with_measurement(self, profile: HeadProfile, model, batches: list, progress: bool, datamodule) -> HeadProfile:
+        """``profile`` (the recency profile) with this policy's measured losses in ``meta["measured"]``."""
         layout = AttentionLayout.from_config(model.config)
         measured = self._measured_batches(batches, datamodule)
         total = sum(b["input_ids"].shape[0] for b in measured)
