@@ -46,7 +46,7 @@ COMMANDS: dict[str, Command] = {
     "profile": Command(_LIGHTNING, "--config RECIPE --output FILE", "score every head and write the head map", lightning=True),
     "convert": Command(_LIGHTNING, "--config RECIPE --output DIR", "replace heads, run attention transfer, save (no training)", lightning=True),
     "bench": Command("rfkit.experiments.bench:main", "cache|speed --model DIR|RECIPE", "cache bytes and tokens/s, original vs converted"),
-    "eval": Command("rfkit.evals.tasks:run_eval", "TASK --model DIR|RECIPE", "hashhop, passkey, context, ppl, mqar, lm-eval"),
+    "eval": Command("rfkit.evals.tasks:run_eval", "TASK --model DIR|RECIPE", "hashhop, passkey, context, needles, ppl, mqar, lm-eval"),
     "data": Command("rfkit.evals.tasks:run_data", "hashhop --n N --out FILE", "write evaluation or fine-tuning samples"),
     "sweep": Command("rfkit.experiments.sweep:main", "--config RECIPE --betas 0,0.5,1", "quality against cache, one row per beta and operator"),
     "export": Command("rfkit.config.sharing:main", "--model DIR --output DIR", "a saved model, made loadable without rfkit", plugins=False),

@@ -3,6 +3,8 @@
     rfkit data hashhop   write HashHop samples (JSONL)
     rfkit eval hashhop   h_gq: greedy chain completion through the hybrid cache
     rfkit eval passkey   passkey retrieval at several lengths and depths
+    rfkit eval context   long-document perplexity and passkey per length, against the training-free baseline
+    rfkit eval needles   needles of other shapes (fillers, long keys, several keys), against the same
     rfkit eval ppl       perplexity on held-out text, sliding window for long documents
     rfkit eval mqar      MQAR ablation over beta (paper Fig. 4), from a recipe
     rfkit eval lm-eval   lm-evaluation-harness tasks on a converted model (``eval`` extra)

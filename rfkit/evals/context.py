@@ -64,10 +64,7 @@ def add_arguments(parser) -> None:
 
 def validate(args) -> None:
     """Every check that needs no weights."""
-    from rfkit.config.loading import check_model_spec
-
-    if check_model_spec(args.model, require_converted=True) != "directory":
-        raise EvalError(f"--model: '{args.model}' is a recipe; give a converted model directory (rfkit fit's model/)")
+    check_converted_dir(args)
     args.length_list = parse_lengths(args.lengths, "--lengths", example="1024,2048", error=EvalError)
     if min(args.length_list) < 2:  # a 1-token block has no next token to score
         raise EvalError(f"--lengths: blocks need at least 2 tokens, got {min(args.length_list)}")
@@ -75,15 +72,7 @@ def validate(args) -> None:
     positive_int(args, "tokens")
     positive_int(args, "trials")
     check_model_arguments(args, args.length_list)
-    args.baseline_operator = None
-    if args.baseline.strip().lower() == "matched":
-        args.baseline_operator = "matched"  # sized once the model is loaded (matched_baseline)
-    elif args.baseline.strip().lower() != "none":
-        from rfkit.conversion import registry
-
-        args.baseline_operator = registry.operator(args.baseline, "--baseline")  # a bad spec: one line
-        if args.baseline_operator.trainable:
-            raise EvalError(f"--baseline: '{args.baseline}' has weights to train; give a training-free operator such as {EXAMPLE_BASELINE}")
+    check_baseline(args)
     from rfkit.data import TextDataModule
     from rfkit.hub import SourceError
 
@@ -100,10 +89,37 @@ def validate(args) -> None:
                 f"--lengths: {min(args.length_list)} tokens cannot hold the passkey template and its answer "
                 f"({need} tokens); give longer lengths or --no-passkey"
             )
-    out = Path(args.output or f"runs/context_{Path(args.model).resolve().name}")
+    args.output_dir = output_dir(args, "context")
+
+
+def check_converted_dir(args) -> None:
+    """``--model`` must be a converted model directory (its head map names the original)."""
+    from rfkit.config.loading import check_model_spec
+
+    if check_model_spec(args.model, require_converted=True) != "directory":
+        raise EvalError(f"--model: '{args.model}' is a recipe; give a converted model directory (rfkit fit's model/)")
+
+
+def check_baseline(args) -> None:
+    """``--baseline``: ``matched`` (sized once the model loads), ``none``, or a training-free
+    operator spec; sets ``args.baseline_operator`` (None for none)."""
+    args.baseline_operator = None
+    if args.baseline.strip().lower() == "matched":
+        args.baseline_operator = "matched"  # sized once the model is loaded (matched_baseline)
+    elif args.baseline.strip().lower() != "none":
+        from rfkit.conversion import registry
+
+        args.baseline_operator = registry.operator(args.baseline, "--baseline")  # a bad spec: one line
+        if args.baseline_operator.trainable:
+            raise EvalError(f"--baseline: '{args.baseline}' has weights to train; give a training-free operator such as {EXAMPLE_BASELINE}")
+
+
+def output_dir(args, stem: str) -> Path:
+    """``--output``, or ``runs/<stem>_<name of DIR>``; refused when it is a file."""
+    out = Path(args.output or f"runs/{stem}_{Path(args.model).resolve().name}")
     if out.exists() and not out.is_dir():
         raise EvalError(f"--output: '{out}' exists and is not a directory")
-    args.output_dir = out
+    return out
 
 
 def _blocks(source: str, tokenizer, lengths: list[int], tokens: int) -> dict[int, list]:
@@ -112,17 +128,18 @@ def _blocks(source: str, tokenizer, lengths: list[int], tokens: int) -> dict[int
     return {n: next(iter(long_sets(source, tokenizer, [n], max(1, tokens // n)).values())) for n in lengths}
 
 
-def _models(args, loaded, head_map):
-    """``[(name, model, state_off)]``: the models measured, each built once (``state_off``: run within
-    :func:`rfkit.models.mixer.ablate_states`). The original loads from the base model's one
-    resolution, in the dtype DIR declares (:meth:`~rfkit.config.loading.ModelSpec.original`)."""
+def models_to_measure(args, loaded, head_map, state_off: bool = True):
+    """``[(name, model, state_off, training_free)]``: the models measured, each built once
+    (``state_off``: run within :func:`rfkit.models.mixer.ablate_states`). The original loads
+    from the base model's one resolution, in the dtype DIR declares
+    (:meth:`~rfkit.config.loading.ModelSpec.original`)."""
     from rfkit import pipeline
     from rfkit.models.mixer import ablatable_mixers
 
     original = args.model_spec.original(args.torch_device).eval()
-    models = [("original", original, False), ("converted", loaded.model, False)]
-    if ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
-        models.append(("converted, state off", loaded.model, True))
+    models = [("original", original, False, False), ("converted", loaded.model, False, False)]
+    if state_off and ablatable_mixers(loaded.model):  # mixers with a state they can switch off (the hybrid's gates)
+        models.append(("converted, state off", loaded.model, True, False))
     if args.baseline_operator is not None:
         spec, operator = args.baseline.replace(" ", ""), args.baseline_operator
         if operator == "matched":  # sized to this model's bytes, now that it is loaded
@@ -132,7 +149,7 @@ def _models(args, loaded, head_map):
             operator = registry.operator(spec, "--baseline")
         baseline, _ = pipeline.convert(copy.deepcopy(original), head_map, operator)
         baseline = baseline.to(args.torch_device).eval()
-        models.append((f"{spec}, training-free", baseline, False))  # the spec as given or as sized
+        models.append((f"{spec}, training-free", baseline, False, True))  # the spec as given or as sized
     return models
 
 
@@ -193,7 +210,7 @@ def run(args) -> int:
     head_map = args.model_spec.head_map
     blocks = _blocks(args.source, args.model_spec.source(), args.length_list, args.tokens)  # the base's tokenizer
     rows = {}
-    for name, model, closed in _models(args, loaded, head_map):
+    for name, model, closed, _ in models_to_measure(args, loaded, head_map):
         t0 = time.time()
         if closed:
             with ablate_states(model):

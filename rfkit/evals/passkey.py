@@ -66,13 +66,24 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[str, i
     Raises:
         EvalError: ``length`` cannot hold even the template without filler.
     """
+    return longest_prompt(tokenizer, length, lambda n: compose(n, depth, key))
+
+
+def longest_prompt(tokenizer, length: int, make, what: str = "the passkey template") -> tuple[str, int]:
+    """``make(n)`` (a prompt with ``n`` filler sentences) for the largest ``n`` whose prompt is at
+    most ``length`` tokens: ``(text, tokens)``. Shared by every needle test
+    (:mod:`rfkit.evals.needles`).
+
+    Raises:
+        EvalError: ``length`` cannot hold even ``make(0)``.
+    """
     def size(n: int) -> int:
-        return count_tokens(tokenizer, compose(n, depth, key))
+        return count_tokens(tokenizer, make(n))
 
     smallest = size(0)
     if smallest > length:
         raise EvalError(
-            f"--lengths: {length} tokens cannot hold the passkey template ({smallest} tokens without filler); "
+            f"--lengths: {length} tokens cannot hold {what} ({smallest} tokens without filler); "
             f"give lengths of at least {smallest}"
         )
     low, high = 0, 8  # size(low) <= length; find high with size(high) > length
@@ -84,7 +95,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[str, i
             low = mid
         else:
             high = mid
-    text = compose(low, depth, key)
+    text = make(low)
     return text, count_tokens(tokenizer, text)
 
 

@@ -18,6 +18,7 @@ EVAL_TASKS = {
     "hashhop": "rfkit.evals.hashhop",
     "passkey": "rfkit.evals.passkey",
     "context": "rfkit.evals.context",
+    "needles": "rfkit.evals.needles",
     "ppl": "rfkit.evals.ppl",
     "mqar": "rfkit.experiments.mqar",
     "lm-eval": "rfkit.evals.lm_eval",

@@ -159,6 +159,6 @@ def test_eval_context_adds_the_state_off_row_for_mixers_that_have_one(mixer, sta
     spec = SimpleNamespace(original=lambda device: tiny_model("llama"))  # the base, as ModelSpec.original loads it
     args = SimpleNamespace(model=str(tmp_path), model_spec=spec, torch_device=torch.device("cpu"), baseline_operator=None)
     loaded = SimpleNamespace(model=converted(mixer))
-    rows = [(name, closed) for name, _, closed in context._models(args, loaded, SimpleNamespace(model=str(Path(tmp_path))))]
+    rows = [(name, closed) for name, _, closed, _ in context.models_to_measure(args, loaded, SimpleNamespace(model=str(Path(tmp_path))))]
     expected = [("original", False), ("converted", False)] + ([("converted, state off", True)] if state_off_row else [])
     assert rows == expected
