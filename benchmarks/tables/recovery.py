@@ -309,16 +309,19 @@ def recovery_long_jitter() -> str:
 # beta 0.75 on the same AMX machine: the recipe as it was (every batch shifted) and with only the
 # long blocks shifted, two seeds, in sweeps with the same arguments
 B075_AMX, B075_LONG = "trained_smollm2_b075_amx", "trained_smollm2_b075_longjitter"
+B075_RANK = "levers_smollm2_b075_rank2k8k"  # seed 0 alone: its second seed was lost with its machine
 B075_LONG_ROWS = (
     ("b075_amx", "0.75", "every batch shifted by up to 4,096: `recipes/smollm2_b075.yaml` before (`--model.position_jitter_batches all`)", f"{B075_AMX}/fit_b075_recipe.json", f"{B075_AMX}/passkey.json", f"{B075_AMX}/sweep.json"),
-    ("b075_longjitter", "0.75", "only the 4,096-token play blocks shifted, the Wikipedia batches at positions 0..511: `recipes/smollm2_b075.yaml` now (`--model.position_jitter_batches long`)", f"{B075_LONG}/fit_b075_longjitter.json", f"{B075_LONG}/passkey.json", f"{B075_LONG}/sweep.json"),
+    ("b075_longjitter", "0.75", "only the 4,096-token play blocks shifted, the Wikipedia batches at positions 0..511, heads ranked on 8 x 512 Wikipedia tokens: `recipes/smollm2_b075.yaml` before (`--model.position_jitter_batches long`)", f"{B075_LONG}/fit_b075_longjitter.json", f"{B075_LONG}/passkey.json", f"{B075_LONG}/sweep.json"),
     ("b075_longjitter_seed1", "0.75", "the same with `--seed_everything 1`", f"{B075_LONG}/fit_b075_longjitter_seed1.json", f"{B075_LONG}/passkey_seed1.json", f"{B075_LONG}/sweep.json"),
+    ("b075_rank2k8k", "0.75", "the same, heads ranked on both play lengths as `smollm2_b09` ranks them, two 2,048-token blocks and one of 8,192 (`--model.policy.init_args.long_source embedded:shakespeare --model.policy.init_args.long_seq_len '[2048, 8192]' --model.policy.init_args.blocks '[2, 1]'`): `recipes/smollm2_b075.yaml` now", f"{B075_RANK}/fit_b075_rank2k8k.json", f"{B075_RANK}/passkey.json", f"{B075_RANK}/sweep.json"),
 )  # fmt: skip
 
 
 @table("recovery_long_jitter_b075")
 def recovery_long_jitter_b075() -> str:
-    """Beta 0.75 with every batch or only the long blocks shifted, on the AMX machine."""
+    """Beta 0.75 with every batch or only the long blocks shifted, and ranked on both play
+    lengths, on the AMX machine."""
     return _long_table(B075_LONG_ROWS, "0.75")
 
 
