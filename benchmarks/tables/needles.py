@@ -1,0 +1,58 @@
+"""Needles of other shapes (issue 49: training never loses what streaming keeps): ``rfkit eval
+needles`` on each beta's recipe model, beside its original, its state off and the training-free
+model on the same heads and bytes. Used by docs/comparing.md."""
+
+from __future__ import annotations
+
+from . import load, table
+from .trained import short
+
+# beta label -> the needles result of that beta's recipe model, each fitted and asked on one machine
+# (fit summaries in needles_float32_amd/). Beta 0.5 and 0.9 are not measured yet: on the AVX2-only
+# machine a float32 fit and its needles take about 1.5 hours per beta
+RUNS = {
+    "0.75": "needles_smollm2_b075/needles.json",
+}
+
+
+def _accuracy(row: dict, shapes: list[str], lengths: list[int]) -> list[str]:
+    return [" / ".join(f"{row['accuracy'][s][str(n)]:.2f}" for n in lengths) for s in shapes]
+
+
+def _missed(row: dict, reference: str, shapes: list[str]) -> str:
+    missed = row["missed"].get(reference)
+    return "-" if missed is None else str(sum(missed[s] for s in shapes))
+
+
+@table("needles_by_beta")
+def needles_by_beta() -> str:
+    """One row per model and beta: accuracy per shape at each length, then how many needles the
+    training-free model (and the original) found that this model missed. The original is shown
+    once: every file must hold the same original answers (the same prompts, the same model)."""
+    results = {beta: load(path) for beta, path in RUNS.items()}
+    first_beta, first = next(iter(results.items()))
+    shapes, lengths = first["shapes"], first["lengths"]
+    for beta, r in results.items():
+        if (r["shapes"], r["lengths"], r["depths"], r["trials"], r["seed"]) != (shapes, lengths, first["depths"], first["trials"], first["seed"]):
+            raise ValueError(f"{RUNS[beta]}: its prompts differ from {RUNS[first_beta]}'s; the rows would not compare")
+        if r["rows"]["original"]["accuracy"] != first["rows"]["original"]["accuracy"]:
+            raise ValueError(f"{RUNS[beta]}: its original answered differently from {RUNS[first_beta]}'s")
+    machine = first.get("provenance", {}).get("machine", "machine not recorded")
+    per = len(first["depths"]) * first["trials"] * len(lengths) * len(shapes)
+    cols = " | ".join(f"{s} {' / '.join(f'{n:,}' for n in lengths)}" for s in shapes)
+    lines = [
+        f"| beta | model (asked on {machine}) | {cols} | missed where training-free found (of {per}) | missed where the original found |",
+        "|---|---|" + "---:|" * (len(shapes) + 2),
+    ]
+    lines.append(f"| 0 | the original | {' | '.join(_accuracy(first['rows']['original'], shapes, lengths))} | - | - |")
+    for beta, r in results.items():
+        baseline = r["baseline"]
+        for name, row in r["rows"].items():
+            if name == "original":
+                continue
+            label = {"converted": "trained hybrid (the recipe)", "converted, state off": "trained hybrid, state off"}.get(name)
+            if label is None:  # the training-free model
+                label = f"training-free {short(name.removesuffix(', training-free'))}, the same heads and bytes"
+            cells = _accuracy(row, shapes, lengths)
+            lines.append(f"| {beta} | {label} | {' | '.join(cells)} | {_missed(row, baseline, shapes)} | {_missed(row, 'original', shapes)} |")
+    return "\n".join(lines)
