@@ -24,7 +24,8 @@ Steps (``--only`` / ``--skip`` take these names):
   beta 0.9 (benchmarks/gpu/shapes.py table2): cache against the original at 10,240 and 61,440
   tokens, the longest input that fits, decode tokens/s at 8k and 32k;
 - ``speed``: SmolLM2's shape in bf16, original against converted (benchmarks/gpu/shapes.py speed);
-- ``fit``: a short fit of the default recipe in bf16 on the device (benchmarks/gpu/fit_probe.py),
+- ``fit``: a short fit of the default recipe in bf16 on the device (benchmarks/gpu/fit_probe.py; in
+  float32 on a CPU without native bf16, where emulated bf16 is several times slower),
   and ``fit_cpu``, the same fit on the machine's CPU, for seconds per step and peak memory side by side;
 - ``table2_rest``: Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes, added to the same file.
 
@@ -128,7 +129,7 @@ def plan(mode: str, py: str, carry: Path, work: Path, out: Path) -> list[Step]:
         Step("speed", "SmolLM2's shape in bf16: prefill and decode, original against converted",
              [shapes + ["speed", "--device", device, "--output", str(work), "--budget-s", "60" if cpu else "100", *tiny]],
              {"gpu": 140, "cpu": 120}, outputs=["speed.json"]),
-        Step("fit", f"a short fit of the default recipe in bf16 on {device}",
+        Step("fit", f"a short fit of the default recipe in bf16 (float32 on a CPU without native bf16) on {device}",
              [[py, "-P", str(HERE / "fit_probe.py"), "--device", device, *fit_steps, "--output", str(work / "fit.json"), *tiny]],
              {"gpu": 100, "cpu": 150}, outputs=["fit.json"]),
         Step("fit_cpu", "the same fit on this machine's CPU, for the per-step time and peak side by side",

@@ -4,7 +4,8 @@
 
 Runs ``rfkit fit --config recipes/smollm2_b05.yaml`` in this process with the GPU recipes'
 precision (``trainer.precision: bf16-true`` over a ``model.dtype: bfloat16`` base: the new weights
-and recurrent sums stay float32) and only the length shortened: ``--steps`` training steps and as
+and recurrent sums stay float32; float32 on a CPU without native bf16, said in the result's
+``precision``) and only the length shortened: ``--steps`` training steps and as
 many attention-transfer steps, one quick validation, nothing saved. On CUDA the peak is
 ``torch.cuda.max_memory_allocated`` over the whole fit; on the CPU the process's RSS high-water
 mark. ``--tiny`` also shrinks the blocks and sample counts (the CPU rehearsal of the GPU check);
@@ -29,11 +30,25 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2_b05.yaml"
 
 
+def precision(device: str) -> tuple[str, str, str]:
+    """``(trainer.precision, model.dtype, why)``: the GPU recipes' bf16, except on a CPU that does
+    not compute bf16 natively, where emulated bf16 is several times slower (the rehearsal's tiny fit
+    ran past its timeout on an AVX2-only CPU) and the fit runs in float32, as ``model.dtype: auto``
+    would choose."""
+    from rfkit.devices import native_bf16
+
+    native, why = native_bf16(device)
+    if device == "cpu" and not native:
+        return "32-true", "float32", why
+    return "bf16-true", "bfloat16", why
+
+
 def fit_args(device: str, steps: int, root: Path, tiny: bool) -> list[str]:
+    trainer_precision, dtype, _ = precision(device)
     args = [
         "fit", "--config", str(RECIPE),
         "--trainer.accelerator", "gpu" if device == "cuda" else "cpu",
-        "--trainer.precision", "bf16-true", "--model.dtype", "bfloat16",
+        "--trainer.precision", trainer_precision, "--model.dtype", dtype,
         "--trainer.max_steps", str(steps), "--model.lr_scheduler.init_args.T_max", str(steps),
         "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1",
         "--model.transfer.steps", str(steps),
@@ -81,7 +96,7 @@ def run_fit(device: str, steps: int, tiny: bool) -> dict:
         "seconds_per_train_step": round(phases.get("train", 0.0) / steps, 3),
         "seconds_per_transfer_step": round(phases.get("transfer", 0.0) / transfer_steps, 3),
         "ppl_ratio": summary.get("ppl_ratio"),
-        "precision": "bf16-true, model.dtype bfloat16",
+        "precision": "{}, model.dtype {} ({})".format(*precision(device)),
         "command": "rfkit " + " ".join(fit_args(device, steps, Path("ROOT"), tiny)).replace(str(REPO) + "/", ""),
     }
     if device == "cuda":
