@@ -13,6 +13,8 @@ filler stands out. The shapes here vary the filler, the needle and the number of
   ``rfkit eval context`` at the same prompt length);
 - ``prose``: the passkey needle in running text: held-out Wikipedia summaries
   (``embedded:wikipedia-en``'s validation split), each trial from its own starting sentence;
+  its question asks for "the number" (:data:`PROSE_QUESTION`: after encyclopaedic text a small
+  model completes "The pass key is" with a definition);
 - ``plays``: the same in held-out Shakespeare (``embedded:shakespeare``'s validation plays);
 - ``long``: a 20-digit key in the passkey filler (one token per digit with SmolLM2's tokenizer);
 - ``multi``: three keys, each for a door of its own colour, at depths d, d + 1/3 and d + 2/3
@@ -59,13 +61,23 @@ class Shape:
     digits: int = 5
     needles: int = 1
     new_tokens: int = passkey.NEW_TOKENS
+    question: str | None = None  # None: the passkey test's question (one needle) or MULTI_QUESTION
+
+
+# After encyclopaedic text SmolLM2 continues "The pass key is" with a definition ("a device
+# used to ...", the original 0 of 6 at 2,048 tokens, with the key the sentence before); asked
+# for "the number" it quotes the key (6 of 6 on the same prompts).
+PROSE_QUESTION = "What is the pass key? The pass key is the number"
 
 
 SHAPES = {
     shape.name: shape
     for shape in (
         Shape("passkey", "the passkey test: one 5-digit key in the repeated filler"),
-        Shape("prose", "one 5-digit key in held-out Wikipedia summaries", filler="embedded:wikipedia-en"),
+        Shape(
+            "prose", "one 5-digit key in held-out Wikipedia summaries, asked for as a number",
+            filler="embedded:wikipedia-en", question=PROSE_QUESTION,
+        ),
         Shape("plays", "one 5-digit key in held-out Shakespeare", filler="embedded:shakespeare"),
         Shape("long", "one 20-digit key in the repeated filler", digits=20, new_tokens=24),
         Shape("multi", "three 5-digit keys for three doors; the question asks for one", needles=3),
@@ -137,7 +149,7 @@ def trial(shape: Shape, tokenizer, length: int, depth: float, seed: int, index: 
         sentences = held_out_sentences(shape.filler)
         start = rng.randrange(len(sentences))
     if shape.needles == 1:
-        instruction, question = passkey.INSTRUCTION, passkey.QUESTION
+        instruction, question = passkey.INSTRUCTION, shape.question or passkey.QUESTION
         needles = [(depth, passkey.NEEDLE.format(key=keys[0]))]
     else:
         first = rng.randrange(len(COLOURS))

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rfkit.conversion import evaluations
 from rfkit.evals import needles, passkey
-from rfkit.evals.needles import SHAPES, held_out_sentences, trial
+from rfkit.evals.needles import PROSE_QUESTION, SHAPES, held_out_sentences, trial
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def test_running_text_fillers_are_held_out_sentences_without_digits(tokenizer, n
         assert made["prompt_tokens"] == len(tokenizer(made["text"])["input_ids"]) <= 400
         assert made["prompt_tokens"] > 400 - 80  # within one sentence of the length
         needle = passkey.NEEDLE.format(key=made["key"])
+        # prose asks for "the number": after Wikipedia text SmolLM2 defines "the pass key" instead
+        assert made["text"].endswith("\n" + (PROSE_QUESTION if name == "prose" else passkey.QUESTION))
         before, after = body(made["text"], passkey.INSTRUCTION).split(needle)
         filler = before + after
         assert re.findall(r"\d", filler) == []  # the only integers are the key's
