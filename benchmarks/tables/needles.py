@@ -20,6 +20,11 @@ def _accuracy(row: dict, shapes: list[str], lengths: list[int]) -> list[str]:
     return [" / ".join(f"{row['accuracy'][s][str(n)]:.2f}" for n in lengths) for s in shapes]
 
 
+def _original_answers(result: dict) -> list[tuple]:
+    """Every prompt's key and the original's answer to it, in the records' order."""
+    return [(r["key"], r["answers"]["original"]["output"]) for r in result["records"]]
+
+
 def _missed(row: dict, reference: str, shapes: list[str]) -> str:
     missed = row["missed"].get(reference)
     return "-" if missed is None else str(sum(missed[s] for s in shapes))
@@ -36,7 +41,7 @@ def needles_by_beta() -> str:
     for beta, r in results.items():
         if (r["shapes"], r["lengths"], r["depths"], r["trials"], r["seed"]) != (shapes, lengths, first["depths"], first["trials"], first["seed"]):
             raise ValueError(f"{RUNS[beta]}: its prompts differ from {RUNS[first_beta]}'s; the rows would not compare")
-        if r["rows"]["original"]["accuracy"] != first["rows"]["original"]["accuracy"]:
+        if _original_answers(r) != _original_answers(first):
             raise ValueError(f"{RUNS[beta]}: its original answered differently from {RUNS[first_beta]}'s")
     machine = first.get("provenance", {}).get("machine", "machine not recorded")
     per = len(first["depths"]) * first["trials"] * len(lengths) * len(shapes)

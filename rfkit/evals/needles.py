@@ -61,7 +61,7 @@ class Shape:
     digits: int = 5
     needles: int = 1
     new_tokens: int = passkey.NEW_TOKENS
-    question: str | None = None  # None: the passkey test's question (one needle) or MULTI_QUESTION
+    question: str | None = None  # one-needle shapes: None asks the passkey test's question (multi asks MULTI_QUESTION)
 
 
 # After encyclopaedic text SmolLM2 continues "The pass key is" with a definition ("a device
