@@ -8,11 +8,11 @@ from . import load, table
 from .trained import short
 
 # beta label -> the needles result of that beta's recipe model, each fitted and asked on one machine
-# (fit summaries in needles_float32_amd/). Beta 0.9 is not measured yet: on the AVX2-only machine a
-# float32 fit and its needles take about 1.5 hours
+# (fit summaries in needles_float32_amd/)
 RUNS = {
     "0.5": "needles_smollm2_b05/needles.json",
     "0.75": "needles_smollm2_b075/needles.json",
+    "0.9": "needles_smollm2_b09/needles.json",
 }
 
 
