@@ -198,3 +198,26 @@ def test_a_head_map_for_another_model_is_a_one_line_error(tiny_model_dir, tiny_c
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("rfkit: error: model.head_map: the head map is for (layers, heads, kv_heads) = (30, 9, 3)")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "convert"])
+def test_a_subcommand_builds_its_own_parser_alone(subcommand, capsys, monkeypatch):
+    """``rfkit fit`` builds fit's parser, not the four others' (each holds every class signature
+    of the model, data, trainer and callbacks); its help and its checks are fit's own."""
+    from rfkit.config.lightning_cli import RFKitCLI
+
+    built = []
+    prepare = RFKitCLI._prepare_subcommand_parser
+
+    def counting(self, klass, name, **kwargs):
+        built.append(name)
+        return prepare(self, klass, name, **kwargs)
+
+    monkeypatch.setattr(RFKitCLI, "_prepare_subcommand_parser", counting)
+    code, _, err = run_cli([subcommand, "--config", SMOLLM, "--model.policy.init_args.beta", "2"], capsys)
+    assert code == 2 and "model.policy.beta" in err
+    assert built == [subcommand]
+    assert set(RFKitCLI.subcommands()) == {"fit", "validate", "test", "profile", "convert"}  # the class still lists all
+    built.clear()
+    code, out, _ = run_cli([subcommand, "--help"], capsys)
+    assert code == 0 and built == [subcommand] and "--model.policy" in out
