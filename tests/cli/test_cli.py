@@ -202,8 +202,9 @@ def test_a_head_map_for_another_model_is_a_one_line_error(tiny_model_dir, tiny_c
 
 @pytest.mark.parametrize("subcommand", ["fit", "convert"])
 def test_a_subcommand_builds_its_own_parser_alone(subcommand, capsys, monkeypatch):
-    """``rfkit fit`` builds fit's parser, not the four others' (each holds every class signature
-    of the model, data, trainer and callbacks); its help and its checks are fit's own."""
+    """``rfkit fit`` (or ``convert``) builds that subcommand's parser, not the four others' (each
+    holds every class signature of the model, data, trainer and callbacks); its help and its
+    checks are the subcommand's own."""
     from rfkit.config.lightning_cli import RFKitCLI
 
     built = []
