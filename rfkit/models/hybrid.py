@@ -18,7 +18,14 @@ KV head, shared by its query heads). Both parts share one softmax normaliser::
     y   = (A + g e^{-m} a) / (Z + g e^{-m} zl)
 
 ``g e^{-m} phi(q).phi(k)`` stands in for ``exp(s_t - m)``, the weight a full softmax head gives an
-old token, so the old tokens compete with the window on the softmax's own scale. ``gate`` starts
+old token, so the old tokens compete with the window on the softmax's own scale.
+
+Sharpness (``sharpness`` ``tau >= 1``, 1 by default): ``e^{-m}`` becomes ``e^{-tau m}``, so the state's
+share falls faster as the window's best score rises. The bounded feature map cannot tell a
+window that holds an exact match (one score far above the rest, as when the answer to a question
+is the sentence before it) from an ordinary one, and a trained state can outweigh the copy the
+window would make; ``tau > 1`` lets a sharp match win. A fixed setting, not a learned weight: it
+changes a trained model's outputs, so it is set in the operator's config like the window. ``gate`` starts
 at 0: a freshly built block *is* the training-free sink + recent block, exactly, and training
 (attention transfer, then distillation) can only move it from that known-good start.
 :meth:`HybridWindowAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
@@ -89,6 +96,8 @@ class HybridWindowAttention(WindowAttention):
         window_dropout: Probability that a training forward uses a shorter window.
         decay_horizon: Initial horizon ``H`` of the learned per-KV-head state decay
             ``gamma = exp(-1 / H)`` (module docstring); ``None``: no decay.
+        sharpness: ``tau >= 1`` in the state's weight ``g e^{-tau m}`` (module docstring); 1: the
+            softmax's own scale.
     """
 
     def __init__(
@@ -101,8 +110,10 @@ class HybridWindowAttention(WindowAttention):
         feature_dim: int = 16,
         window_dropout: float = 0.0,
         decay_horizon: float | None = None,
+        sharpness: float = 1.0,
     ):
         super().__init__(kv_for_query, head_dim, window=window, sink=sink, scaling=scaling)
+        self.sharpness = float(sharpness)
         self.feature_dim = int(feature_dim)
         self.window_dropout = float(window_dropout)
         half = self.feature_dim // 2
@@ -118,7 +129,8 @@ class HybridWindowAttention(WindowAttention):
 
     def extra_repr(self) -> str:
         decay = "" if self.decay_horizon is None else f", decay_horizon={self.decay_horizon:g}"
-        return f"{super().extra_repr()}, feature_dim={self.feature_dim}, window_dropout={self.window_dropout}{decay}"
+        sharp = "" if self.sharpness == 1.0 else f", sharpness={self.sharpness:g}"
+        return f"{super().extra_repr()}, feature_dim={self.feature_dim}, window_dropout={self.window_dropout}{decay}{sharp}"
 
     # -- state ---------------------------------------------------------------------------------
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, ...]:
@@ -235,15 +247,21 @@ class HybridWindowAttention(WindowAttention):
     def _maps(self, dtype) -> torch.Tensor:
         return self.feature_map if self.feature_map.dtype == dtype else self.feature_map.to(dtype)
 
+    def _minus_tau_m(self, m: torch.Tensor) -> torch.Tensor:
+        """``-tau m`` with ``m`` clamped from below: the exponent of the state's weight
+        ``g e^{-tau m}`` (``tau`` the sharpness)."""
+        m = m.clamp_min(_MIN_MAX_SCORE)
+        return -m if self.sharpness == 1.0 else m * -self.sharpness
+
     def _mix(self, A, Z, m, a, zl):
-        """``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` (``g`` per query head; the rep axis third,
-        queries second to last)."""
-        if self._weights_train():  # the general path's g e^{-m}
+        """``(A + c a) / (Z + c zl)`` with ``c = g e^{-tau m}`` (``g`` per query head; the rep axis
+        third, queries second to last)."""
+        if self._weights_train():  # the general path's g e^{-tau m}
             g = self.old_weight().to(A.dtype).view(-1, self.rep, 1)
-            c = (g.unsqueeze(-1) if A.dim() == 5 else g) * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+            c = (g.unsqueeze(-1) if A.dim() == 5 else g) * torch.exp(self._minus_tau_m(m))
         else:
             log_g = self._log_weight(A.dtype)
-            c = torch.exp((log_g.unsqueeze(-1) if A.dim() == 5 else log_g) - m.clamp_min(_MIN_MAX_SCORE))
+            c = torch.exp((log_g.unsqueeze(-1) if A.dim() == 5 else log_g) + self._minus_tau_m(m))
         return torch.addcmul(A, c, a) / torch.addcmul(Z, c, zl)
 
     # -- tiled prefill ---------------------------------------------------------------------------
@@ -368,7 +386,8 @@ class HybridWindowAttention(WindowAttention):
         read-out under one normaliser. With ``lse`` the log-sum-exp of the window scores and
         ``o`` the window's softmax output, ``(A + c a) / (Z + c zl)`` with ``c = g e^{-m}`` is
         ``(o + w a) / (1 + w zl)`` with ``w = g e^{-lse}`` (``lse`` clamped from below where the
-        other paths clamp ``m``; the two agree unless every window score is below -60). A KV
+        other paths clamp ``m``; the two agree unless every window score is below -60); with a
+        sharpness ``tau != 1``, ``c = g e^{-tau m}`` and ``w = g e^{m - tau m - lse}``, ``m`` clamped. A KV
         head's query heads stand where SDPA expects query positions, ``(B, G, rep, hd)`` (as for
         the kept heads), so ``o`` is one SDPA call and ``lse`` and ``zl`` come out ``(B, G, rep, 1)``."""
         S, z = constants["S"], constants["z"]
@@ -377,12 +396,17 @@ class HybridWindowAttention(WindowAttention):
             q, keys, values = q.to(S.dtype), keys.to(S.dtype), values.to(S.dtype)
         qg = q.view(-1, self.num_heads // self.rep, self.rep, self.head_dim)  # (B, G, rep, hd)
         keys, values, S, z = (t if self.grouped else self._per_query(t) for t in (keys, values, S, z))
-        lse = torch.einsum("bgrd,bgsd->bgrs", qg, keys).mul_(self.scaling).logsumexp(-1, keepdim=True)
+        scores = torch.einsum("bgrd,bgsd->bgrs", qg, keys).mul_(self.scaling)
+        lse = scores.logsumexp(-1, keepdim=True)
         o = F.scaled_dot_product_attention(qg, keys, values, scale=self.scaling)
         phi_q = torch.einsum("bgrd,gdkf->bgrkf", qg, constants["group_maps"]).softmax(-1)  # (B, G, rep, 2, f/2)
         a = torch.einsum("bgrkf,bgkfd->bgrd", phi_q, S)
         zl = torch.einsum("bgrkf,bgkfe->bgre", phi_q, z)
-        w = (constants["log_g"] - lse.clamp_min(_MIN_MAX_SCORE)).exp_()
+        if self.sharpness == 1.0:
+            w = (constants["log_g"] - lse.clamp_min(_MIN_MAX_SCORE)).exp_()
+        else:
+            m = scores.amax(-1, keepdim=True).clamp_min(_MIN_MAX_SCORE)
+            w = (constants["log_g"] + m + self._minus_tau_m(m) - lse).exp_()
         y = torch.addcmul(o, w, a).div_(torch.addcmul(constants["one"], w, zl)).reshape(-1, 1, self.d_out)
         return y.to(dtype) if constants["cast"] else y
 
@@ -429,7 +453,7 @@ class HybridWindowAttention(WindowAttention):
     def _general_chunk(self, q, k, v, state, mask, window: int, return_states: bool):
         out, parts = self._attend(q, k, v, state, mask, window, return_states)
         A, Z, a, zl, m = parts
-        g = self.old_weight().to(A.dtype)[None, :, None, None] * torch.exp(-m.clamp_min(_MIN_MAX_SCORE))
+        g = self.old_weight().to(A.dtype)[None, :, None, None] * torch.exp(self._minus_tau_m(m))
         y = (A + g * a) / (Z + g * zl)  # (B, Hq, L, hd)
         B, L = q.shape[0], q.shape[2]
         y = y * out["real"][:, None, :, None].to(y.dtype)
@@ -494,7 +518,7 @@ class HybridWindowAttention(WindowAttention):
     @torch.no_grad()
     def calibrate(self, x: torch.Tensor) -> dict:
         """Set ``log_scale`` so that, in geometric mean over queries that have old tokens,
-        ``g e^{-m} sum_old phi(q).phi(k)`` equals the mass ``sum_old exp(s_t - m)`` that full
+        ``g e^{-tau m} sum_old phi(q).phi(k)`` equals the mass ``sum_old exp(s_t - m)`` that full
         softmax attention gives those tokens; then open the gate (``gate = 1``).
 
         ``x`` is a batch of this block's inputs ``(B, L, d_in)`` from the original model, without
@@ -514,7 +538,7 @@ class HybridWindowAttention(WindowAttention):
         phi = (self.features(q, True) @ self._per_query(self.features(k, False)).transpose(-1, -2)).masked_fill(~old, 0)
         if self.log_horizon is not None:
             phi = phi * self._powers((i - self.window - j).clamp_min(0), "query", phi.dtype)
-        lin_old = phi.sum(-1) * torch.exp(-m.squeeze(-1).clamp_min(_MIN_MAX_SCORE))
+        lin_old = phi.sum(-1) * torch.exp(self._minus_tau_m(m.squeeze(-1)))
         has_old = old.any(-1)[None, None].expand_as(true_old)
         logs, share = [], []
         for h in range(self.num_heads):

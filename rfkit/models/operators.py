@@ -295,13 +295,18 @@ class HybridOperator(SinkRecentOperator):
             holds about the last ``H`` evicted tokens at any length and reads the same at 8k as
             at the training length. ``None`` (the default of models saved before it existed):
             no decay, every old token weighs the same.
+        sharpness: ``tau >= 1``: the state's weight against the window is ``g e^{-tau m}``,
+            ``m`` the window's best score (:mod:`rfkit.models.hybrid`). 1 (the default) keeps the
+            softmax's own scale; above 1 an exact match in the window (the sentence a question
+            asks about) outweighs what the state recalls. It changes a trained model's outputs
+            without training, so it can be set on a saved model (``benchmarks/sharpen.py``).
     """
 
     trainable = True
 
     def __init__(
         self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5,
-        decay_horizon: float | None = None,
+        decay_horizon: float | None = None, sharpness: float = 1.0,
     ):  # fmt: skip
         super().__init__(sink=sink, window=window)
         even = "{field}: {value!r} is not allowed; must be an even integer >= {minimum}"
@@ -309,11 +314,14 @@ class HybridOperator(SinkRecentOperator):
         self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
         in_range("model.operator.decay_horizon", decay_horizon, 1, finite=True, optional=True, error=OperatorError)
         self.decay_horizon = None if decay_horizon is None else float(decay_horizon)
+        self.sharpness = float(in_range("model.operator.sharpness", sharpness, 1, finite=True, error=OperatorError))
 
     def init_args(self) -> dict:
         args = {**super().init_args(), "feature_dim": self.feature_dim, "window_dropout": self.window_dropout}
         if self.decay_horizon is not None:  # absent when off: old configs and new ones read alike
             args["decay_horizon"] = self.decay_horizon
+        if self.sharpness != 1.0:  # likewise
+            args["sharpness"] = self.sharpness
         return args
 
     def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
@@ -322,6 +330,7 @@ class HybridOperator(SinkRecentOperator):
         return HybridWindowAttention(
             kv_for_query, head_dim, window=self.window, sink=self.sink, scaling=scaling,
             feature_dim=self.feature_dim, window_dropout=self.window_dropout, decay_horizon=self.decay_horizon,
+            sharpness=self.sharpness,
         )  # fmt: skip
 
 

@@ -151,10 +151,10 @@ def _open(variant: list[str]):
     lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
     for step in (lib.rf_window_step_f32, lib.rf_window_step_bf16):
         step.restype = ctypes.c_int
-        step.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        step.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2
     lib.rf_f32_to_bf16.restype = None
     lib.rf_f32_to_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-    prefill = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float]
+    prefill = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float] * 2
     lib.rf_window_prefill_f32.restype = ctypes.c_int
     lib.rf_window_prefill_f32.argtypes = prefill + [ctypes.c_int64] * 4
     lib.rf_window_prefill_jobs_f32.restype = ctypes.c_int
@@ -336,7 +336,7 @@ def window_step_plan(block, state) -> dict:
     pointers = [_ptr(t) for t in keep[:3]]
     pointers += [_ptr(keep[4]), _ptr(keep[5]), _ptr(keep[6]), _ptr(keep[7]), _ptr(keep[8])] if hybrid else [None] * 5
     sizes = [keys.shape[0], block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window]
-    sizes += [block.feature_dim if hybrid else 0, block.scaling]
+    sizes += [block.feature_dim if hybrid else 0, block.scaling, block.sharpness if hybrid else 1.0]
     return {
         "keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes,
         "out_shape": (keys.shape[0], 1, block.d_out), "dtype": keys.dtype, "entry": WINDOW_STEP_ENTRIES[keys.dtype],
@@ -438,7 +438,8 @@ def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
             block.kernel_weights().data_ptr() if hybrid else None, _ptr(block.kernel_decay()) if hybrid else None,
             block.kernel_index().data_ptr(), out.data_ptr(),
             block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window,
-            block.feature_dim if hybrid else 0, L, seen, q.stride(0), q.stride(1), q.stride(2), block.scaling]  # fmt: skip
+            block.feature_dim if hybrid else 0, L, seen, q.stride(0), q.stride(1), q.stride(2), block.scaling,
+            block.sharpness if hybrid else 1.0]  # fmt: skip
     if len(jobs) == 1 or _state["openmp"]:
         table = torch.tensor(jobs, dtype=torch.int64)
         codes = [lib.rf_window_prefill_jobs_f32(*args, table.data_ptr(), len(jobs), *strides)]

@@ -23,7 +23,9 @@ def block(kind: str, sink: int, kvq=KVQ, features: int = 4) -> WindowAttention:
     if kind == "window":
         return WindowAttention(kvq, HD, window=W, sink=sink).double().eval()
     decay = 3.0 if kind == "hybrid_decay" else None
-    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=features, decay_horizon=decay).double().eval()
+    sharp = 1.5 if kind == "hybrid_decay" else 1.0  # the decayed block is a sharper one too
+    b = HybridWindowAttention(kvq, HD, window=W, sink=sink, feature_dim=features, decay_horizon=decay, sharpness=sharp)
+    b = b.double().eval()
     if kind in ("hybrid_open", "hybrid_decay"):
         with torch.no_grad():
             b.gate.copy_(torch.linspace(0.3, 1.2, len(kvq), dtype=torch.float64))
@@ -43,7 +45,7 @@ def qkv(B: int, L: int, kvq=KVQ, seed: int = 0):
 
 def masked_reference(b: WindowAttention, q, k, v) -> torch.Tensor:
     """Full L x L matrices: softmax over sink + window, and for the hybrid the old tokens'
-    ``g e^{-m} phi(q).phi(k)`` under the same normaliser (the module docstring's formula)."""
+    ``g e^{-tau m} phi(q).phi(k)`` under the same normaliser (the module docstring's formula)."""
     L = q.shape[2]
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     causal = j <= i
@@ -66,7 +68,7 @@ def masked_reference(b: WindowAttention, q, k, v) -> torch.Tensor:
         if b.log_horizon is not None:  # a token that left the window a steps ago weighs gamma^a
             gamma = torch.exp(-1 / b.log_horizon.detach().exp()).index_select(0, idx)
             lin = lin * gamma[None, :, None, None] ** (i - b.window - j).clamp_min(0)
-        c = b.old_weight().detach()[None, :, None, None] * torch.exp(-m.clamp_min(-60.0))
+        c = b.old_weight().detach()[None, :, None, None] * torch.exp(-b.sharpness * m.clamp_min(-60.0))
         num, den = num + c * (lin @ vq), den + c * lin.sum(-1, keepdim=True)
     y = num / den
     return y.transpose(1, 2).reshape(q.shape[0], L, -1)
@@ -234,11 +236,13 @@ def test_compiled_step_matches_the_pytorch_step(kind, features, sink, monkeypatc
 
 def kernel_block(kind: str, head_dim: int, sink: int, features: int) -> WindowAttention:
     """A window or hybrid block for the compiled-kernel tests; ``hybrid_open`` and ``hybrid_decay``
-    with their gates open (and a decay horizon for the latter)."""
+    with their gates open (and a decay horizon and a sharpness of 1.5 for the latter)."""
     if kind == "window":
         return WindowAttention(KVQ, head_dim, window=W, sink=sink).eval()
     decay = 5.0 if kind == "hybrid_decay" else None
-    b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=features, decay_horizon=decay).eval()
+    sharp = 1.5 if kind == "hybrid_decay" else 1.0
+    b = HybridWindowAttention(KVQ, head_dim, window=W, sink=sink, feature_dim=features, decay_horizon=decay, sharpness=sharp)
+    b = b.eval()
     if kind in ("hybrid_open", "hybrid_decay"):
         with torch.no_grad():
             b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))
@@ -373,7 +377,10 @@ def test_compiled_prefill_cut_into_pieces_matches_the_pytorch_prefill(kind, thre
     if kind == "window":
         b = WindowAttention(KVQ, HD, window=W, sink=3).eval()
     else:
-        b = HybridWindowAttention(KVQ, HD, window=W, sink=3, feature_dim=features, decay_horizon=5.0 if kind == "hybrid_decay" else None).eval()
+        decayed = kind == "hybrid_decay"
+        b = HybridWindowAttention(
+            KVQ, HD, window=W, sink=3, feature_dim=features, decay_horizon=5.0 if decayed else None, sharpness=1.5 if decayed else 1.0
+        ).eval()
         if kind != "hybrid_closed":
             with torch.no_grad():
                 b.gate.copy_(torch.tensor([0.5, 0.0, 1.0, 0.8]))

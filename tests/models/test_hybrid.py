@@ -37,9 +37,11 @@ def random_qkv(batch=2, length=30, seed=0, dtype=torch.float64):
     return q, k, v
 
 
-def open_block(sink=2, window=5, feature_dim=4, gate=0.7, log_scale=0.3, horizons=None):
+def open_block(sink=2, window=5, feature_dim=4, gate=0.7, log_scale=0.3, horizons=None, sharpness=1.0):
     decay = None if horizons is None else 4.0
-    block = HybridWindowAttention(KVQ, HD, window=window, sink=sink, feature_dim=feature_dim, decay_horizon=decay)
+    block = HybridWindowAttention(
+        KVQ, HD, window=window, sink=sink, feature_dim=feature_dim, decay_horizon=decay, sharpness=sharpness
+    )
     block = block.double()
     with torch.no_grad():
         block.gate.copy_(torch.tensor([gate, 0.0, gate * 2]))  # head 1 closed: pure sink + recent
@@ -73,7 +75,7 @@ def naive(block: HybridWindowAttention, q, k, v):
                 num = sum(torch.exp(scores[i] - m) * v[b, kv, t] for i, t in enumerate(win))
                 den = torch.exp(scores - m).sum()
                 for t in old:
-                    weight = g[h] * torch.exp(-m) * (phi(q[b, h, r]) @ phi(k[b, kv, t]))
+                    weight = g[h] * torch.exp(-block.sharpness * m) * (phi(q[b, h, r]) @ phi(k[b, kv, t]))
                     if horizon is not None:  # t left the window when the query of rank t + w came
                         weight = weight * torch.exp(-(r - (t + w)) / horizon[kv])
                     num, den = num + weight * v[b, kv, t], den + weight
@@ -81,11 +83,11 @@ def naive(block: HybridWindowAttention, q, k, v):
     return out.transpose(1, 2).reshape(B, L, -1)
 
 
-@pytest.mark.parametrize("horizons", [None, [2.0, 7.0]])
+@pytest.mark.parametrize("horizons,sharpness", [(None, 1.0), ([2.0, 7.0], 1.0), (None, 1.7), ([2.0, 7.0], 2.5)])
 @pytest.mark.parametrize("sink,window", [(0, 1), (2, 5), (4, 3)])
-def test_open_gate_matches_the_naive_formula_in_float64(sink, window, horizons):
+def test_open_gate_matches_the_naive_formula_in_float64(sink, window, horizons, sharpness):
     q, k, v = random_qkv()
-    block = open_block(sink=sink, window=window, horizons=horizons)
+    block = open_block(sink=sink, window=window, horizons=horizons, sharpness=sharpness)
     with torch.no_grad():
         torch.testing.assert_close(block(packed(q, k, v)), naive(block, q, k, v), rtol=1e-12, atol=1e-12)
 
@@ -100,11 +102,11 @@ def test_closed_gate_is_the_training_free_sink_recent_block():
         torch.testing.assert_close(hybrid(x), plain(x), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("horizons", [None, [3.0, 20.0]])
-def test_prefill_chunks_and_steps_equal_one_forward_in_float64(horizons):
+@pytest.mark.parametrize("horizons,sharpness", [(None, 1.0), ([3.0, 20.0], 1.0), ([3.0, 20.0], 1.6)])
+def test_prefill_chunks_and_steps_equal_one_forward_in_float64(horizons, sharpness):
     q, k, v = random_qkv(length=31, seed=4)
     x = packed(q, k, v)
-    block = open_block(horizons=horizons)
+    block = open_block(horizons=horizons, sharpness=sharpness)
     with torch.no_grad():
         full = block(x)
         out, state = block(x[:, :3], return_states=True)  # shorter than sink + window
@@ -169,11 +171,12 @@ def test_the_state_carries_tokens_that_left_the_window():
             assert bool((last - last_changed).abs().max() > 1e-6) == should_change
 
 
-def training_block(kvq, sink, horizons):
+def training_block(kvq, sink, horizons, sharpness=1.0):
     """An open block at window 7 (one head's gate closed at exactly 0: its gradient there must be
-    the reference's too), with a horizon per KV head or no decay."""
+    the reference's too), with a horizon per KV head or no decay, at a sharpness."""
     decay = None if horizons is None else 4.0
-    block = HybridWindowAttention(kvq, HD, window=7, sink=sink, feature_dim=4, decay_horizon=decay).double()
+    block = HybridWindowAttention(kvq, HD, window=7, sink=sink, feature_dim=4, decay_horizon=decay, sharpness=sharpness)
+    block = block.double()
     with torch.no_grad():
         block.gate.copy_(torch.tensor([1.0, 0.0, 0.6, 1.3])[: len(kvq)])
         block.log_scale.copy_(torch.tensor([0.3, -0.2, 0.5, 0.1])[: len(kvq)])
@@ -188,16 +191,16 @@ def training_qkv(kvq, length, seed):
     return tuple(torch.randn(2, h, length, HD, generator=g, dtype=torch.float64) for h in (len(kvq), hkv, hkv))
 
 
-@pytest.mark.parametrize("horizons", [None, [2.0, 9.0]])
+@pytest.mark.parametrize("horizons,sharpness", [(None, 1.0), ([2.0, 9.0], 1.0), ([2.0, 9.0], 1.8)])
 @pytest.mark.parametrize("kvq", [[0, 0, 1, 1], KVQ], ids=["grouped", "ungrouped"])
 @pytest.mark.parametrize("sink", [0, 2])
 @pytest.mark.parametrize("length,drawn", [(45, 7), (45, 3), (5, 7), (5, 2)])
-def test_training_runs_tiled_with_the_general_paths_outputs_and_gradients(kvq, sink, horizons, length, drawn):
+def test_training_runs_tiled_with_the_general_paths_outputs_and_gradients(kvq, sink, horizons, sharpness, length, drawn):
     """A training forward goes through the tiled path at its drawn window (forced here: the full 7
     or shorter, whose gap to 7 the state then reads), across tile boundaries and shorter than the
     window: output, next state and the gradients of q, k, v, the feature map, gate, log-scale and
-    horizon equal the rank-masked reference's."""
-    block = training_block(kvq, sink, horizons)
+    horizon equal the rank-masked reference's, at the softmax's scale and at a sharper one."""
+    block = training_block(kvq, sink, horizons, sharpness)
     assert block.grouped == (kvq == [0, 0, 1, 1])
     tiled, general = train_both_paths(block, *training_qkv(kvq, length, seed=length + sink), window=drawn)
     assert_runs_equal(tiled, general)
@@ -286,11 +289,12 @@ def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
     return model
 
 
-@pytest.mark.parametrize("decay", [None, 6.0])
+@pytest.mark.parametrize("decay,sharpness", [(None, 1.0), (6.0, 1.0), (6.0, 1.5)])
 @pytest.mark.parametrize("granularity", ["kv_group", "query_head"])
-def test_converted_model_step_decoding_equals_one_forward(granularity, decay):
+def test_converted_model_step_decoding_equals_one_forward(granularity, decay, sharpness):
     selected = ([0, 1], [2, 3]) if granularity == "kv_group" else ([1], [0, 3])
-    model = converted(selected=selected, operator=HybridOperator(sink=2, window=5, feature_dim=4, decay_horizon=decay))
+    operator = HybridOperator(sink=2, window=5, feature_dim=4, decay_horizon=decay, sharpness=sharpness)
+    model = converted(selected=selected, operator=operator)
     full, steps, cache = prefill_then_steps(model, random_ids(1, 24))
     torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
     states = mixer_state_store(cache)
@@ -352,6 +356,9 @@ def test_transfer_fits_the_state_and_never_ends_worse_than_it_started():
         (lambda: HybridOperator(decay_horizon=0.5), "model.operator.decay_horizon"),
         (lambda: HybridOperator(decay_horizon=float("inf")), "model.operator.decay_horizon"),
         (lambda: HybridOperator(decay_horizon="long"), "model.operator.decay_horizon"),
+        (lambda: HybridOperator(sharpness=0.5), "model.operator.sharpness"),
+        (lambda: HybridOperator(sharpness=float("nan")), "model.operator.sharpness"),
+        (lambda: HybridOperator(sharpness="sharp"), "model.operator.sharpness"),
     ],
 )
 def test_bad_hybrid_settings_name_the_field(make, field):
@@ -395,3 +402,79 @@ def test_decay_is_recorded_only_when_set_so_old_models_read_alike():
     assert again.decay_horizon == 256.0
     block = again.make_block(KVQ, HD, None)
     torch.testing.assert_close(block.log_horizon.detach().exp(), torch.full((2,), 256.0))
+
+
+def test_sharpness_is_recorded_only_when_set_and_rebuilds_the_block():
+    """Models saved before the sharpness existed read as sharpness 1 (nothing recorded); a set
+    one round-trips through the operator record into the block."""
+    assert "sharpness" not in HybridOperator().init_args()
+    spec = HybridOperator(sharpness=1.5).to_dict()
+    assert spec["init_args"]["sharpness"] == 1.5
+    block = ReplacementOperator.from_dict(spec).make_block(KVQ, HD, None)
+    assert block.sharpness == 1.5 and "sharpness=1.5" in repr(block)
+
+
+def test_a_sharper_block_gives_the_window_more_weight_where_its_best_score_is_positive():
+    """y = (A + c a) / (Z + c zl) lies between the window's output A / Z and the state's a / zl,
+    nearer the window as c falls. With c = g e^{-tau m}, raising tau lowers c where the window's
+    best score m is above 0 and raises it where m is below 0: measured against the closed gate
+    (the window alone), per query and head."""
+    q, k, v = random_qkv(batch=1, length=30, seed=21)
+    u = torch.randn(HD, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    k = u + 0.1 * k  # keys near one direction: queries along it (even ranks) score above 0,
+    sign = torch.tensor([1.0, -1.0]).repeat(15).view(1, 1, 30, 1)  # against it (odd) below
+    q = 2.0 * sign * u + 0.1 * q
+    x = packed(q, k, v)
+    soft, sharp = open_block(), open_block(sharpness=2.0)
+    with torch.no_grad():
+        sharp.feature_map.copy_(soft.feature_map)
+        window_only = open_block(gate=0.0)
+        window_only.feature_map.copy_(soft.feature_map)
+        far = [(b(x) - window_only(x)).view(1, 30, len(KVQ), HD).norm(dim=-1) for b in (soft, sharp)]
+    scores = (q @ k[:, KVQ].transpose(-1, -2)) * HD**-0.5  # (1, Hq, L, L)
+    i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
+    win = (j <= i) & ((i - j < soft.window) | (j < soft.sink))
+    m = scores.masked_fill(~win, float("-inf")).amax(-1).transpose(1, 2)  # (1, L, Hq)
+    has_old = (i - soft.window >= soft.sink).squeeze(-1)[None, :, None].expand_as(m)
+    moved = has_old & (soft.gate > 0)[None, None, :].expand_as(m) & (m.abs() > 1e-3)
+    above, below = moved & (m > 0), moved & (m < 0)
+    assert above.any() and below.any()
+    assert torch.all(far[1][above] < far[0][above]) and torch.all(far[1][below] > far[0][below])
+
+
+def test_sharpen_script_writes_a_copy_that_loads_at_the_new_sharpness(tmp_path, tiny_model_dir, capsys):
+    """benchmarks/sharpen.py: the copy's operator record holds the sharpness and its logits are
+    those of the same model with its blocks set to it in memory; the folder's own code is written
+    again; bad input exits 2 without writing anything."""
+    from helpers import load_script
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from rfkit.conversion.convert import save_converted
+    from rfkit.conversion.headmap import HeadMap
+    from rfkit.models.layout import AttentionLayout
+    from rfkit.conversion.policies import ExplicitHeads
+
+    selected = [[0, 1], [2, 3]]
+    model = to_recurformer(LlamaForCausalLM.from_pretrained(str(tiny_model_dir)), selected, HybridOperator(sink=2, window=5, feature_dim=4))
+    blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
+    with torch.no_grad():
+        for block in blocks:
+            block.gate.fill_(0.5)
+    head_map = HeadMap.build("tiny", AttentionLayout.from_config(model.config), None, selected, ExplicitHeads(selected), {})
+    src = save_converted(model.eval(), head_map, tmp_path / "src", AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    sharpen = load_script("benchmarks/sharpen.py")
+    assert sharpen.main([str(src), str(tmp_path / "bad"), "--sharpness", "0.9"]) == 2
+    assert sharpen.main([str(src), str(src), "--sharpness", "1.5"]) == 2  # DST exists
+    assert "model.operator.sharpness" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert sharpen.main([str(src), str(tmp_path / "sharp"), "--sharpness", "1.5"]) == 0
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        for block in blocks:
+            block.sharpness = 1.5
+        want = model(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharp")).eval()(ids).logits
+    assert (want - before).abs().max() > 1e-4  # the sharpness changes the outputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the folder's own code (transformers without rfkit) is written again, so it reads the sharpness
+    assert "self.sharpness" in (tmp_path / "sharp" / "rfkit_hybrid.py").read_text()

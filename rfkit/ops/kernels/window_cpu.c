@@ -23,8 +23,8 @@
  *   kvq      : (hq,)                 KV head of every query head
  *   out      : (batch, hq, hd)
  *
- * Old tokens enter as y = (A + c a) / (Z + c zl) with c = g exp(-max(m, -60)), m the window's
- * highest score, A and Z the window's unnormalised sums, a = phi(q) S and zl = phi(q) . z.
+ * Old tokens enter as y = (A + c a) / (Z + c zl) with c = g exp(-sharpness max(m, -60)), m the
+ * window's highest score, A and Z the window's unnormalised sums, a = phi(q) S and zl = phi(q) . z.
  * Returns 0, or -1 when the work buffer cannot be allocated.
  */
 #include <float.h>
@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) int window_step(
     const void *q, const void *k, const void *v, void *keys, void *values, int64_t *seen, float *S_state,
     float *z_state, const float *fmap, const float *g, const float *decay, const int64_t *kvq, void *out,
     int64_t batch, int64_t hq, int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling,
-    const int bf16) {
+    float sharpness, const int bf16) {
     const int64_t ns = sink + window, half = f / 2;
     const size_t esize = bf16 ? sizeof(rf_bf16) : sizeof(float);
     /* scores, phi, then float32 copies of an evicted key and value, of a query and its output (bf16) */
@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) int window_step(
             }
             float c = 0.0f, zl = 0.0f;
             if (S_state && g[h] > 0.0f) {
-                c = g[h] * expf(-(m > -60.0f ? m : -60.0f));
+                c = g[h] * expf(-sharpness * (m > -60.0f ? m : -60.0f));
                 feature(qh, fmap + kv * hd * half, hd, half, phi);
                 const float *S = S_state + (b * hkv + kv) * f * hd, *z = z_state + (b * hkv + kv) * f;
                 for (int64_t j = 0; j < f; ++j) {
@@ -230,9 +230,9 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
                        int64_t *seen, float *S_state, float *z_state, const float *fmap,
                        const float *g, const float *decay, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f,
-                       float scaling) {
+                       float scaling, float sharpness) {
     return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
-                       sink, window, f, scaling, 0);
+                       sink, window, f, scaling, sharpness, 0);
 }
 
 /* rf_window_step_f32 for bf16 activations beside a bf16 window (the precision policy of a bf16
@@ -240,9 +240,10 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
 int rf_window_step_bf16(const rf_bf16 *q, const rf_bf16 *k, const rf_bf16 *v, rf_bf16 *keys, rf_bf16 *values,
                         int64_t *seen, float *S_state, float *z_state, const float *fmap, const float *g,
                         const float *decay, const int64_t *kvq, rf_bf16 *out, int64_t batch, int64_t hq,
-                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling) {
+                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling,
+                        float sharpness) {
     return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
-                       sink, window, f, scaling, 1);
+                       sink, window, f, scaling, sharpness, 1);
 }
 
 /* float32 -> bf16 words as the kernels store them (the tests hold it to torch's cast). */
@@ -274,14 +275,15 @@ void rf_f32_to_bf16(const float *x, rf_bf16 *out, int64_t n) {
  */
 /* One query head's output: softmax over the sink slots (sk, sv, nsink) and the recent keys (rk,
  * rv, nw), plus, when S is given (hybrid, open gate), the state's share c phi(q) S with
- * c = g exp(-max(m, -60)), under one normaliser. p: scratch of nsink + nw. Instantiated for head
+ * c = g exp(-sharp max(m, -60)) (sharp: the block's sharpness, 1 by default), under one
+ * normaliser. p: scratch of nsink + nw. Instantiated for head
  * widths 64 and 128 as compile-time constants, so the query and the output stay in registers and
  * every key is read once; window_query_any takes the width at run time (hd_arg). */
 #define RF_WINDOW_QUERY(NAME, HD)                                                                     \
     static void NAME(const float *qh, const float *sk, const float *sv, int64_t nsink,               \
                      const float *rk, const float *rv, int64_t nw, float scaling, float *p, float *y,  \
-                     float gh, const float *fm, int64_t half, const float *S, const float *z,        \
-                     float *phi, int64_t hd_arg) {                                                     \
+                     float gh, float sharp, const float *fm, int64_t half, const float *S,          \
+                     const float *z, float *phi, int64_t hd_arg) {                                     \
         (void)hd_arg;                                                                                  \
         float qs[HD], acc[HD];                                                                         \
         for (int64_t d = 0; d < HD; ++d) { qs[d] = qh[d] * scaling; acc[d] = 0.0f; }                   \
@@ -300,7 +302,7 @@ void rf_f32_to_bf16(const float *x, rf_bf16 *out, int64_t n) {
             for (int64_t d = 0; d < HD; ++d) acc[d] += e * vt[d];                                      \
         }                                                                                              \
         if (S && gh > 0.0f) {                                                                          \
-            const float c = gh * expf(-(m > -60.0f ? m : -60.0f));                                     \
+            const float c = gh * expf(-sharp * (m > -60.0f ? m : -60.0f));                             \
             feature(qh, fm, HD, half, phi);                                                            \
             float zl = 0.0f;                                                                           \
             for (int64_t j = 0; j < 2 * half; ++j) {                                                   \
@@ -321,7 +323,7 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                           const float *sink_v, float *S_state, float *z_state, const float *fmap,
                           const float *g, const float *decay, const int64_t *kvq, float *out, int64_t hq, int64_t hkv,
                           int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L, int64_t seen,
-                          int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling, int64_t row_begin,
+                          int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling, float sharpness, int64_t row_begin,
                           int64_t row_end, int64_t i_begin, int64_t i_end) {
     const int64_t half = f / 2, nr = window + L;
     float *p = (float *)malloc(sizeof(float) * (size_t)(sink + window + 2 * f + 2));
@@ -362,11 +364,11 @@ int rf_window_prefill_f32(const float *q, const float *rec_k, const float *rec_v
                 float *y = out + ((b * L + i) * hq + h) * hd;
                 const float gh = S ? g[h] : 0.0f;
                 if (hd == 64)
-                    window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
+                    window_query_64(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, sharpness, fm, half, S, z, phi, hd);
                 else if (hd == 128)
-                    window_query_128(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
+                    window_query_128(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, sharpness, fm, half, S, z, phi, hd);
                 else
-                    window_query_any(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, fm, half, S, z, phi, hd);
+                    window_query_any(qh, sk, sv, nsink, wk, wv, nw, scaling, p, y, gh, sharpness, fm, half, S, z, phi, hd);
             }
         }
     }
@@ -386,7 +388,7 @@ int rf_window_prefill_jobs_f32(const float *q, const float *rec_k, const float *
                                const float *g, const float *decay, const int64_t *kvq, float *out, int64_t hq,
                                int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, int64_t L,
                                int64_t seen, int64_t q_sb, int64_t q_sh, int64_t q_sl, float scaling,
-                               const int64_t *jobs, int64_t njobs, int64_t s_stride, int64_t z_stride) {
+                               float sharpness, const int64_t *jobs, int64_t njobs, int64_t s_stride, int64_t z_stride) {
     int rc = 0;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static, 1) num_threads(njobs) reduction(| : rc)
@@ -395,7 +397,7 @@ int rf_window_prefill_jobs_f32(const float *q, const float *rec_k, const float *
         const int64_t *job = jobs + 4 * j;
         rc |= rf_window_prefill_f32(q, rec_k, rec_v, sink_k, sink_v, S_state ? S_state + j * s_stride : NULL,
                                     z_state ? z_state + j * z_stride : NULL, fmap, g, decay, kvq, out, hq, hkv, hd,
-                                    sink, window, f, L, seen, q_sb, q_sh, q_sl, scaling, job[0], job[1], job[2],
+                                    sink, window, f, L, seen, q_sb, q_sh, q_sl, scaling, sharpness, job[0], job[1], job[2],
                                     job[3]);
     }
     return rc;
