@@ -62,3 +62,41 @@ def needles_by_beta() -> str:
             cells = _accuracy(row, shapes, lengths)
             lines.append(f"| {beta} | {label} | {' | '.join(cells)} | {_missed(row, baseline, shapes)} | {_missed(row, 'original', shapes)} |")
     return "\n".join(lines)
+
+
+# (beta, label, needles result, long-document result): each trained model at the softmax's scale
+# and the same weights read at a higher sharpness (benchmarks/sharpen.py), asked the same prompts
+SHARPNESS_RUNS = [
+    ("0.75", "trained hybrid (the recipe), sharpness 1", "needles_smollm2_b075/needles.json", "needles_recall_b075/context_recipe/context.json"),
+    ("0.75", "the same weights at sharpness 1.25", "sharpness_b075/needles_sharp_1.25/needles.json", "sharpness_b075/context_sharp_1.25/context.json"),
+]
+
+
+@table("needles_sharpness")
+def needles_sharpness() -> str:
+    """Per trained model and sharpness: long-document perplexity against the original, accuracy per
+    needle shape and what it missed that the training-free model (and the original) found. The
+    training-free row is the one asked beside the last model of each beta."""
+    rows, first, baseline_rows = [], None, {}
+    for beta, label, needles_path, context_path in SHARPNESS_RUNS:
+        result, context = load(needles_path), load(context_path)
+        first = first or result
+        if _original_answers(result) != _original_answers(first) or result["shapes"] != first["shapes"]:
+            raise ValueError(f"{needles_path}: its prompts or its original's answers differ from the first file's")
+        shapes, lengths = result["shapes"], result["lengths"]
+        ratio = " / ".join(f"{context['rows']['converted']['ppl_ratio'][str(n)]:.3f}" for n in context["lengths"])
+        row = result["rows"]["converted"]
+        rows.append(f"| {beta} | {label} | {ratio} | {' | '.join(_accuracy(row, shapes, lengths))} | "
+                    f"{_missed(row, result['baseline'], shapes)} | {_missed(row, 'original', shapes)} |")
+        baseline_rows[beta] = (result["baseline"], result["rows"][result["baseline"]])
+    for beta, (name, row) in baseline_rows.items():
+        label = f"training-free {short(name.removesuffix(', training-free'))}, the same heads and bytes"
+        rows.append(f"| {beta} | {label} | - | {' | '.join(_accuracy(row, shapes, lengths))} | - | {_missed(row, 'original', shapes)} |")
+    lengths_text = " / ".join(f"{n:,}" for n in load(SHARPNESS_RUNS[0][3])["lengths"])
+    cols = " | ".join(f"{s} {' / '.join(f'{n:,}' for n in lengths)}" for s in shapes)
+    per = len(first["depths"]) * first["trials"] * len(lengths) * len(shapes)
+    head = [
+        f"| beta | model | long documents {lengths_text} (perplexity / original's) | {cols} | missed where training-free found (of {per}) | missed where the original found |",
+        "|---|---|---:|" + "---:|" * (len(shapes) + 2),
+    ]
+    return "\n".join(head + rows)
