@@ -69,15 +69,19 @@ def needles_by_beta() -> str:
 SHARPNESS_RUNS = [
     ("0.75", "trained hybrid (the recipe), sharpness 1", "needles_smollm2_b075/needles.json", "needles_recall_b075/context_recipe/context.json"),
     ("0.75", "the same weights at sharpness 1.25", "sharpness_b075/needles_sharp_1.25/needles.json", "sharpness_b075/context_sharp_1.25/context.json"),
+    ("0.9", "trained hybrid (the recipe), sharpness 1", "needles_smollm2_b09/needles.json", "sharpness_b09/context_recipe/context.json"),
+    ("0.9", "the same weights at sharpness 1.5", "sharpness_b09/needles_sharp_1.5/needles.json", "sharpness_b09/context_sharp_1.5/context.json"),
 ]
 
 
 @table("needles_sharpness")
 def needles_sharpness() -> str:
     """Per trained model and sharpness: long-document perplexity against the original, accuracy per
-    needle shape and what it missed that the training-free model (and the original) found. The
-    training-free row is the one asked beside the last model of each beta."""
-    rows, first, baseline_rows = [], None, {}
+    needle shape and what it missed that the training-free model (and the original) found. Each
+    beta's training-free row follows its models: the one asked beside the last of them."""
+    by_beta: dict[str, list[str]] = {}
+    baselines: dict[str, tuple[str, dict]] = {}
+    first = None
     for beta, label, needles_path, context_path in SHARPNESS_RUNS:
         result, context = load(needles_path), load(context_path)
         first = first or result
@@ -86,12 +90,16 @@ def needles_sharpness() -> str:
         shapes, lengths = result["shapes"], result["lengths"]
         ratio = " / ".join(f"{context['rows']['converted']['ppl_ratio'][str(n)]:.3f}" for n in context["lengths"])
         row = result["rows"]["converted"]
-        rows.append(f"| {beta} | {label} | {ratio} | {' | '.join(_accuracy(row, shapes, lengths))} | "
-                    f"{_missed(row, result['baseline'], shapes)} | {_missed(row, 'original', shapes)} |")
-        baseline_rows[beta] = (result["baseline"], result["rows"][result["baseline"]])
-    for beta, (name, row) in baseline_rows.items():
+        by_beta.setdefault(beta, []).append(
+            f"| {beta} | {label} | {ratio} | {' | '.join(_accuracy(row, shapes, lengths))} | "
+            f"{_missed(row, result['baseline'], shapes)} | {_missed(row, 'original', shapes)} |"
+        )
+        baselines[beta] = (result["baseline"], result["rows"][result["baseline"]])
+    lines = []
+    for beta, rows in by_beta.items():
+        name, row = baselines[beta]
         label = f"training-free {short(name.removesuffix(', training-free'))}, the same heads and bytes"
-        rows.append(f"| {beta} | {label} | - | {' | '.join(_accuracy(row, shapes, lengths))} | - | {_missed(row, 'original', shapes)} |")
+        lines += rows + [f"| {beta} | {label} | - | {' | '.join(_accuracy(row, shapes, lengths))} | - | {_missed(row, 'original', shapes)} |"]
     lengths_text = " / ".join(f"{n:,}" for n in load(SHARPNESS_RUNS[0][3])["lengths"])
     cols = " | ".join(f"{s} {' / '.join(f'{n:,}' for n in lengths)}" for s in shapes)
     per = len(first["depths"]) * first["trials"] * len(lengths) * len(shapes)
@@ -99,4 +107,4 @@ def needles_sharpness() -> str:
         f"| beta | model | long documents {lengths_text} (perplexity / original's) | {cols} | missed where training-free found (of {per}) | missed where the original found |",
         "|---|---|---:|" + "---:|" * (len(shapes) + 2),
     ]
-    return "\n".join(head + rows)
+    return "\n".join(head + lines)
