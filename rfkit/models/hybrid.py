@@ -18,20 +18,21 @@ KV head, shared by its query heads). Both parts share one softmax normaliser::
     y   = (A + g e^{-m} a) / (Z + g e^{-m} zl)
 
 ``g e^{-m} phi(q).phi(k)`` stands in for ``exp(s_t - m)``, the weight a full softmax head gives an
-old token, so the old tokens compete with the window on the softmax's own scale.
-
-Sharpness (``sharpness`` ``tau >= 1``, 1 by default): ``e^{-m}`` becomes ``e^{-tau m}``, so the state's
-share falls faster as the window's best score rises. The bounded feature map cannot tell a
-window that holds an exact match (one score far above the rest, as when the answer to a question
-is the sentence before it) from an ordinary one, and a trained state can outweigh the copy the
-window would make; ``tau > 1`` lets a sharp match win. A fixed setting, not a learned weight: it
-changes a trained model's outputs, so it is set in the operator's config like the window. ``gate`` starts
+old token, so the old tokens compete with the window on the softmax's own scale. ``gate`` starts
 at 0: a freshly built block *is* the training-free sink + recent block, exactly, and training
 (attention transfer, then distillation) can only move it from that known-good start.
 :meth:`HybridWindowAttention.calibrate` (the :class:`~rfkit.models.mixer.ReplacementMixer` hook that
 attention transfer calls) sets ``log_scale`` in closed form from the teacher's attention before
 training opens the gate; :meth:`HybridWindowAttention.state_ablation` closes the gate for the
 "state off" evaluations.
+
+Sharpness (``sharpness``, ``tau >= 1``, 1 by default): ``e^{-m}`` becomes ``e^{-tau m}``, so the
+state's share falls faster as the window's best score ``m`` rises (and rises where ``m < 0``). The
+bounded feature map cannot lower the old tokens' weight when one window token matches the query
+far better than the rest (the answer to a question written in the sentence before it), and a
+trained state can outweigh the copy the window would make; ``tau > 1`` gives the window more of
+that weight. A fixed setting, not a learned weight, recorded in the operator's config like the
+window, so a trained model can be read at another value.
 
 State decay (``decay_horizon``, off by default): a learned horizon ``H`` per KV head,
 ``gamma = exp(-1/H)``; a token that left the window ``a`` tokens ago weighs ``gamma^a`` in ``S`` and

@@ -297,9 +297,9 @@ class HybridOperator(SinkRecentOperator):
             no decay, every old token weighs the same.
         sharpness: ``tau >= 1``: the state's weight against the window is ``g e^{-tau m}``,
             ``m`` the window's best score (:mod:`rfkit.models.hybrid`). 1 (the default) keeps the
-            softmax's own scale; above 1 an exact match in the window (the sentence a question
-            asks about) outweighs what the state recalls. It changes a trained model's outputs
-            without training, so it can be set on a saved model (``benchmarks/sharpen.py``).
+            softmax's own scale; above 1 a strong match in the window (the sentence a question
+            asks about) leaves the state less weight. Not learned: set on a saved model it changes
+            the outputs without training (``benchmarks/sharpen.py``).
     """
 
     trainable = True
