@@ -14,7 +14,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from rfkit.data.documents import SPLITS, _one_line, load_packed, pack_blocks, save_packed, split_documents
+from rfkit.data.documents import SPLITS, _one_line, cut_blocks, join_tokens, load_packed, load_streams, save_packed
+from rfkit.data.documents import split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.long import interleaved_loader, long_source_message
 from rfkit.data.sampling import ResumableShuffle, _Blocks
@@ -26,6 +27,7 @@ from rfkit.validate import is_int as _is_int
 log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1
+_TOKENS_FORMAT = 1  # the token streams every seq_len is cut from
 _TOKENIZE_CHUNK = 256  # documents per batched tokenizer call
 _NO_TOKENIZER = "data.tokenizer: not set; pass --data.tokenizer (or --model.base_model, which the CLI links to it)"
 
@@ -236,6 +238,13 @@ class TextDataModule(L.LightningDataModule):
         blob = json.dumps({"format": _CACHE_FORMAT, **self._settings()}, sort_keys=True)
         return data_cache_dir() / f"{hashlib.sha1(blob.encode('utf-8')).hexdigest()}.pt"
 
+    def tokens_cache_path(self) -> Path:
+        """The cache file of this module's token streams: the same settings but ``seq_len``, so
+        another block length is cut from it without the text or the tokenizer."""
+        settings = {k: v for k, v in self._settings().items() if k != "seq_len"}
+        blob = json.dumps({"format": f"tokens-{_TOKENS_FORMAT}", **settings}, sort_keys=True)
+        return data_cache_dir() / f"tokens-{hashlib.sha1(blob.encode('utf-8')).hexdigest()}.pt"
+
     def fingerprint(self) -> str:
         """A short stable hash of the data settings that decide the calibration blocks.
 
@@ -299,9 +308,8 @@ class TextDataModule(L.LightningDataModule):
                 bar.update(len(chunk))
         return out
 
-    def _build(self) -> dict[str, Any]:
-        if self.tokenizer_name is None:
-            raise SourceError(_NO_TOKENIZER)
+    def _tokenize_splits(self) -> dict[str, Any]:
+        """Every split as one token stream (its documents joined by EOS) and the document counts."""
         docs = load_documents(self.source, self.text_field, self.hf_split, self.hf_max_documents)
         by_split = split_documents(docs, self.split)
         order = [d for name in SPLITS for d in by_split[name]]
@@ -311,13 +319,29 @@ class TextDataModule(L.LightningDataModule):
             log.warning(
                 "data.tokenizer: '%s' has no EOS token; documents are joined without a separator", self.tokenizer_name
             )
-        blocks: dict[str, Any] = {}
+        streams: dict[str, Any] = {}
         start = 0
         for name in SPLITS:
             n = len(by_split[name])
-            blocks[name] = pack_blocks(ids[start : start + n], eos, self.seq_len)
+            streams[name] = join_tokens(ids[start : start + n], eos)
             start += n
-        blocks["documents"] = {name: len(by_split[name]) for name in SPLITS}
+        streams["documents"] = {name: len(by_split[name]) for name in SPLITS}
+        return streams
+
+    def _build(self) -> dict[str, Any]:
+        """The packed blocks of every split, cut from the cached token streams (tokenising and
+        caching them first when no other block length has)."""
+        if self.tokenizer_name is None:
+            raise SourceError(_NO_TOKENIZER)
+        path = self.tokens_cache_path()
+        streams = load_streams(path)
+        if streams is None:
+            streams = self._tokenize_splits()
+            save_packed(path, streams)
+        else:
+            log.info("cutting %d-token blocks from the cached token streams %s", self.seq_len, path)
+        blocks: dict[str, Any] = {name: cut_blocks(streams[name], self.seq_len) for name in SPLITS}
+        blocks["documents"] = dict(streams["documents"])
         return blocks
 
     def _blocks(self) -> dict[str, Any]:

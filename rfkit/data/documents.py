@@ -69,11 +69,9 @@ def split_documents(docs: Iterable[Document], split: Sequence[float]) -> dict[st
     return out
 
 
-def pack_blocks(token_lists: Iterable[Sequence[int]], eos_id: int | None, seq_len: int) -> torch.Tensor:
-    """Join token lists with ``eos_id`` between them and cut into ``(N, seq_len)`` int32 blocks.
-
-    The incomplete tail is dropped. With ``eos_id=None`` the lists are simply concatenated.
-    """
+def join_tokens(token_lists: Iterable[Sequence[int]], eos_id: int | None) -> torch.Tensor:
+    """One int32 stream: the token lists in order with ``eos_id`` between them (simply
+    concatenated with ``eos_id=None``)."""
     stream: list[int] = []
     first = True
     for ids in token_lists:
@@ -81,10 +79,21 @@ def pack_blocks(token_lists: Iterable[Sequence[int]], eos_id: int | None, seq_le
             stream.append(eos_id)
         stream.extend(ids)
         first = False
-    n = len(stream) // seq_len
-    if n == 0:
-        return torch.empty((0, seq_len), dtype=torch.int32)
-    return torch.tensor(stream[: n * seq_len], dtype=torch.int32).view(n, seq_len)
+    return torch.tensor(stream, dtype=torch.int32)
+
+
+def cut_blocks(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A 1-D token stream cut into ``(N, seq_len)`` blocks; the incomplete tail is dropped."""
+    n = stream.numel() // seq_len
+    return stream[: n * seq_len].reshape(n, seq_len).clone()
+
+
+def pack_blocks(token_lists: Iterable[Sequence[int]], eos_id: int | None, seq_len: int) -> torch.Tensor:
+    """Join token lists with ``eos_id`` between them and cut into ``(N, seq_len)`` int32 blocks.
+
+    The incomplete tail is dropped. With ``eos_id=None`` the lists are simply concatenated.
+    """
+    return cut_blocks(join_tokens(token_lists, eos_id), seq_len)
 
 
 def _make_doc(text: str | None, title: str | None) -> Document | None:
@@ -96,15 +105,14 @@ def _make_doc(text: str | None, title: str | None) -> Document | None:
     return Document(title if title else text_key(text), text)
 
 
-def load_packed(path, seq_len: int) -> dict[str, Any] | None:
-    """The packed blocks cached at ``path`` (every split ``(N, seq_len)``), or None when the file
-    is missing, corrupt or foreign (it is rebuilt)."""
+def _load_cache(path, check) -> dict[str, Any] | None:
+    """The data cached at ``path`` when ``check(data)`` accepts it, else None (a missing file;
+    a corrupt or foreign one is ignored with a warning and rebuilt)."""
     if not path.exists():
         return None
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-        shapes_ok = all(isinstance(data.get(n), torch.Tensor) and data[n].ndim == 2 and data[n].shape[1] == seq_len for n in SPLITS)
-        if not shapes_ok:
+        if not (isinstance(data, dict) and check(data)):
             raise ValueError("unexpected contents")
         return data
     except Exception as e:
@@ -112,8 +120,27 @@ def load_packed(path, seq_len: int) -> dict[str, Any] | None:
         return None
 
 
+def load_packed(path, seq_len: int) -> dict[str, Any] | None:
+    """The packed blocks cached at ``path`` (every split ``(N, seq_len)``), or None when the file
+    is missing, corrupt or foreign (it is rebuilt)."""
+    return _load_cache(
+        path, lambda d: all(isinstance(d.get(n), torch.Tensor) and d[n].ndim == 2 and d[n].shape[1] == seq_len for n in SPLITS)
+    )
+
+
+def load_streams(path) -> dict[str, Any] | None:
+    """The token streams cached at ``path`` (every split one 1-D int32 stream, documents joined
+    by EOS, and the document counts), or None when the file is missing, corrupt or foreign."""
+    return _load_cache(
+        path,
+        lambda d: all(isinstance(d.get(n), torch.Tensor) and d[n].ndim == 1 and d[n].dtype == torch.int32 for n in SPLITS)
+        and isinstance(d.get("documents"), dict),
+    )
+
+
 def save_packed(path, data: dict[str, Any]) -> None:
-    """Cache packed blocks at ``path`` (write then rename); a failure is a warning, not an error."""
+    """Cache packed blocks or token streams at ``path`` (write then rename); a failure is a warning,
+    not an error."""
     from rfkit.atomic import atomic_write
 
     try:

@@ -235,10 +235,54 @@ def test_second_setup_uses_the_cache_without_tokenizer_or_text(embedded_dm, monk
         assert torch.equal(getattr(dm, name), getattr(embedded_dm, name))
     assert dm.fingerprint() == embedded_dm.fingerprint()
 
+    # another block length: its own packed file, cut from the cached token streams (still no
+    # text and no tokenizer), exactly what packing the documents again gives
     other = TextDataModule(tokenizer=EMBEDDED_MODEL, seq_len=256)
     assert other.cache_path() != path and other.fingerprint() != dm.fingerprint()
-    with pytest.raises(AssertionError, match="cache miss"):
-        other.setup()
+    assert other.tokens_cache_path() == dm.tokens_cache_path() and other.tokens_cache_path().exists()
+    other.setup()
+    assert other.cache_path().exists() and other.describe()["documents"] == dm.describe()["documents"]
+    for name in SPLITS:  # a 512-token block is two 256-token blocks of the same stream
+        blocks, halves = getattr(embedded_dm, name), other.split_blocks(name)
+        assert blocks.shape[1] == 512 and halves.shape[1] == 256 and halves.shape[0] >= 2 * blocks.shape[0]
+        assert torch.equal(halves[: 2 * blocks.shape[0]].reshape(-1, 512), blocks.long())
+
+
+def test_another_block_length_is_cut_from_the_cached_tokens_as_packing_would(tmp_path, tokenizer_dir, data_cache, monkeypatch, caplog):
+    """A second block length reads the token streams the first one cached: the same blocks as
+    tokenising and packing the documents again, without the text or the tokenizer; a corrupt
+    streams file is rebuilt with a warning."""
+    path = _write_jsonl(tmp_path / "docs.jsonl", _rows(60))
+    kwargs = dict(source=str(path), tokenizer=tokenizer_dir, split=(0.2, 0.2))
+    first = TextDataModule(seq_len=8, **kwargs)
+    first.setup()
+    streams = torch.load(first.tokens_cache_path(), weights_only=True)
+    assert all(streams[n].dtype == torch.int32 and streams[n].ndim == 1 for n in SPLITS)
+    fresh = TextDataModule(seq_len=5, **kwargs)
+    want = fresh._tokenize_splits()  # what a cold cache would pack
+
+    def boom(*args, **kwargs):
+        raise AssertionError("cache miss: tried to load text or a tokenizer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "_load_tokenizer", boom)
+        patch.setattr(data, "load_documents", boom)
+        cut = TextDataModule(seq_len=5, **kwargs)
+        for name in SPLITS:
+            assert torch.equal(cut.split_blocks(name), cut_blocks_of(want[name], 5))
+        assert cut._blocks()["documents"] == want["documents"]
+    first.tokens_cache_path().write_bytes(b"not a cache")
+    again = TextDataModule(seq_len=6, **kwargs)
+    with caplog.at_level("WARNING", logger="rfkit.data.datamodule"):
+        again.setup()
+    assert any("ignoring unreadable data cache" in r.getMessage() and "tokens-" in r.getMessage() for r in caplog.records)
+    assert torch.equal(again.split_blocks("train"), cut_blocks_of(want["train"], 6))
+    assert torch.load(again.tokens_cache_path(), weights_only=True)["documents"] == want["documents"]
+
+
+def cut_blocks_of(stream, seq_len):
+    n = stream.numel() // seq_len
+    return stream[: n * seq_len].view(n, seq_len).long()
 
 
 def test_cache_key_follows_local_file_changes(tmp_path):
