@@ -1,5 +1,8 @@
-"""The LightningDataModule: settings checks, tokenisation, the cache of packed blocks and the
-calibration, training and validation loaders.
+"""The LightningDataModule: settings checks, tokenisation, the cache of token streams and packed
+blocks and the calibration, training and validation loaders.
+
+One module because the cache keys, the tokenisation and the loaders all read the one data
+module's settings; :mod:`rfkit.data.documents` holds the pieces that need none of them.
 """
 
 from __future__ import annotations
