@@ -21,8 +21,8 @@ from torch import nn
 
 from rfkit.models.mixer import ReplacementMixer
 from rfkit.ops import cpu_kernels
-from rfkit.ops.cpu_kernels import mamba_step_cpu, selective_scan_cpu
-from rfkit.ops.scan import check_positive_int, compute_dtype, selective_scan_prefix
+from rfkit.ops.cpu_kernels import mamba_step_cpu, selective_scan_cpu, selective_scan_cpu_train
+from rfkit.ops.scan import _finish_output, check_positive_int, compute_dtype, selective_scan_prefix
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ _LOGGED_PATHS: set[str] = set()
 _MSG_FUSED = "mamba: fused CUDA kernels (mamba_ssm)"
 _MSG_TORCH = "mamba: pure-PyTorch scan"
 _MSG_CPU = "mamba: compiled CPU scan kernel (inference)"
+_MSG_CPU_TRAIN = "mamba: compiled CPU scan kernel (training, with its backward)"
 
 
 def fused_kernels_available() -> bool:
@@ -234,6 +235,19 @@ class MambaBlock(ReplacementMixer):
         _log_path_once(_MSG_CPU)
         return True
 
+    def _cpu_train_kernel(self, ref: torch.Tensor) -> bool:
+        """Whether the compiled CPU training scan runs (when :meth:`_cpu_kernel` does not because a
+        gradient is needed): CPU, not float64, at least one token, use_fast_path != "never" and
+        the kernel built. Its forward is the sequential recurrence and its backward recomputes
+        the states of each chunk, where the PyTorch prefix scan holds (batch, d_inner, length,
+        d_state) tensors for autograd."""
+        if self.use_fast_path == "never" or ref.device.type != "cpu" or ref.dtype == torch.float64:
+            return False
+        if ref.shape[-1] == 0 or not torch.is_grad_enabled() or not cpu_kernels.available():
+            return False
+        _log_path_once(_MSG_CPU_TRAIN)
+        return True
+
     def _cpu_step(self, ref: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> bool:
         """Whether the compiled CPU decode step runs: as :meth:`_cpu_kernel`, plus float32
         weights and contiguous float32 states (the kernel updates them in place)."""
@@ -361,6 +375,10 @@ class MambaBlock(ReplacementMixer):
         elif self._cpu_kernel(xc, xc, delta, A, Bm, Cm, D, z):
             y, last = selective_scan_cpu(xc, delta, A, Bm, Cm, D, z=z, initial_state=ssm_state)
             res = (y.to(xc.dtype), last) if return_states else y.to(xc.dtype)
+        elif self._cpu_train_kernel(xc):
+            y, last = selective_scan_cpu_train(xc, delta, A, Bm, Cm, initial_state=ssm_state)
+            y = _finish_output(y, xc.to(cdt), D, z, cdt).to(xc.dtype)
+            res = (y, last) if return_states else y
         else:
             _log_path_once(_MSG_TORCH)
             res = selective_scan_prefix(

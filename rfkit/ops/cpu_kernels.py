@@ -1,6 +1,9 @@
 """CPU kernels (Mamba scan and step, window-mixer step): C compiled once with the system
 compiler, called via ctypes.
 
+One module because it owns the one compiled library: its build and cache, the ctypes signatures
+of every function in it and the wrappers that lay tensors out for them share the load state.
+
 On CPU, a selective scan written in PyTorch ops pays for several passes over a
 (batch, dim, length, d_state) tensor, which is memory-bound and ate more time than the
 attention it replaces at 8k context. ``kernels/mamba_cpu.c`` runs the recurrence token by
@@ -22,8 +25,11 @@ bf16 loaded exactly, float32 arithmetic and sums, the output rounded as torch ro
   logits (CE and KL per position, and their gradient, :func:`rfkit.training.distill.rowwise_loss`)
   in three passes over each row instead of about a dozen PyTorch passes; it makes the gradient
   itself, so it needs no autograd either.
-* Inference only (no autograd); the block uses it when no gradient is needed. The scans and
-  the window prefill compute in float32 (a bf16 model's mixers reach them in their float32
+* The Mamba training scan (:func:`selective_scan_cpu_train`) is the other exception: an
+  autograd function whose forward keeps the state every :data:`TRAIN_CHUNK` tokens and whose
+  backward (in C) recomputes each chunk's states from it and runs the recurrence backwards.
+* Everything else is inference only (no autograd); the block uses it when no gradient is
+  needed. The scans and the window prefill compute in float32 (a bf16 model's mixers reach them in their float32
   compute dtype, :mod:`rfkit.models.precision`); the window step also takes bf16 (above).
 * Prefill work (the scan's channels, the window prefill's rows or pieces of its chunk) is split
   over ``torch.get_num_threads()`` threads. Built with ``-fopenmp``, the library shares
@@ -147,6 +153,14 @@ def _open(variant: list[str]):
     lib.rf_selective_scan_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
     lib.rf_selective_scan_rows_f32.restype = None
     lib.rf_selective_scan_rows_f32.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 5
+    lib.rf_scan_train_fwd_f32.restype = None
+    lib.rf_scan_train_fwd_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
+    lib.rf_scan_train_fwd_rows_f32.restype = None
+    lib.rf_scan_train_fwd_rows_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6
+    lib.rf_scan_train_bwd_f32.restype = ctypes.c_int
+    lib.rf_scan_train_bwd_f32.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 6
+    lib.rf_scan_train_bwd_batches_f32.restype = ctypes.c_int
+    lib.rf_scan_train_bwd_batches_f32.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 6
     lib.rf_mamba_step_f32.restype = ctypes.c_int
     lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
     for step in (lib.rf_window_step_f32, lib.rf_window_step_bf16):
@@ -207,7 +221,6 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
-    fn = lib.rf_selective_scan_f32
     f32 = torch.float32
     bsz, dim, length = u.shape
     n = A.shape[1]
@@ -225,18 +238,94 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     y = torch.empty(bsz, dim, length, dtype=f32)
     rows = bsz * dim
     args = [_ptr(t) for t in (u, delta, A, Bt, Ct, D, z, h, y)]
-    threads = max(1, min(torch.get_num_threads(), rows, (rows * length) // 4096 or 1))
-    if threads == 1 or _state["openmp"]:
-        lib.rf_selective_scan_rows_f32(*args, dim, length, n, rows, threads)
-    else:  # a library without OpenMP: one Python thread per run of rows (ctypes releases the GIL)
-        step = -(-rows // threads)
-        futures = [
-            _executor(threads).submit(fn, *args, dim, length, n, r0, min(r0 + step, rows))
-            for r0 in range(0, rows, step)
-        ]
-        for f in futures:
-            f.result()
+    _split(lib.rf_selective_scan_rows_f32, lib.rf_selective_scan_f32, args, [dim, length, n], rows, _threads(rows, length))
     return y, h
+
+
+def _threads(rows: int, length: int) -> int:
+    """Threads for a scan over ``rows`` channels of ``length`` tokens: at most PyTorch's, one per
+    row, and one per 4,096 row-tokens (below that a thread costs more than it saves)."""
+    return max(1, min(torch.get_num_threads(), rows, (rows * length) // 4096 or 1))
+
+
+def _split(whole, part, args: list, sizes: list[int], total: int, threads: int) -> int:
+    """Run a kernel over ``total`` rows (or batch rows) in ``threads`` runs: ``whole`` (the
+    library's OpenMP loop, or one run) takes ``(*args, *sizes, total, threads)``; without OpenMP
+    ``part`` takes ``(*args, *sizes, begin, end)`` on Python threads (ctypes releases the GIL).
+    Returns the kernels' status: 0, or the first non-zero (a kernel with no status returns 0)."""
+    if threads == 1 or _state["openmp"]:
+        return whole(*args, *sizes, total, threads) or 0
+    step = -(-total // threads)
+    futures = [_executor(threads).submit(part, *args, *sizes, r0, min(r0 + step, total)) for r0 in range(0, total, step)]
+    codes = [f.result() or 0 for f in futures]
+    return next((c for c in codes if c), 0)
+
+
+#: tokens between the states the training scan keeps for its backward, which recomputes the rest
+TRAIN_CHUNK = 32
+
+
+class _TrainScan(torch.autograd.Function):
+    """The selective scan without D and z (PyTorch applies them) and its backward, in C."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, h0):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
+        f32 = torch.float32
+        bsz, dim, length = u.shape
+        n = A.shape[1]
+        ctx.dtypes = tuple(t.dtype for t in (u, delta, A, B, C, h0))
+        u, delta, A = (t.detach().to(f32).contiguous() for t in (u, delta, A))
+        Bt, Ct = (t.detach().to(f32).transpose(1, 2).contiguous() for t in (B, C))  # (B, L, N)
+        h = h0.detach().to(f32).clone().contiguous()
+        chunks = -(-length // TRAIN_CHUNK)
+        hck = torch.empty(bsz, dim, chunks, n, dtype=f32)
+        y = torch.empty(bsz, dim, length, dtype=f32)
+        rows = bsz * dim
+        args = [_ptr(t) for t in (u, delta, A, Bt, Ct, h, hck, y)]
+        sizes = [dim, length, n, TRAIN_CHUNK]
+        _split(lib.rf_scan_train_fwd_rows_f32, lib.rf_scan_train_fwd_f32, args, sizes, rows, _threads(rows, length))
+        ctx.save_for_backward(u, delta, A, Bt, Ct, hck)
+        return y, h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dh_last):
+        lib = _load()
+        u, delta, A, Bt, Ct, hck = ctx.saved_tensors
+        bsz, dim, length = u.shape
+        n = A.shape[1]
+        f32 = torch.float32
+        dy = torch.zeros_like(u) if dy is None else dy.to(f32).contiguous()
+        dh_last = None if dh_last is None else dh_last.to(f32).contiguous()
+        du, ddelta = torch.empty_like(u), torch.empty_like(u)
+        dA_part, dh0 = torch.empty(bsz, dim, n, dtype=f32), torch.empty(bsz, dim, n, dtype=f32)
+        dBt, dCt = torch.zeros_like(Bt), torch.zeros_like(Ct)
+        args = [_ptr(t) for t in (u, delta, A, Bt, Ct, hck, dy, dh_last, du, ddelta, dA_part, dBt, dCt, dh0)]
+        sizes = [dim, length, n, TRAIN_CHUNK]
+        threads = max(1, min(torch.get_num_threads(), bsz))
+        if _split(lib.rf_scan_train_bwd_batches_f32, lib.rf_scan_train_bwd_f32, args, sizes, bsz, threads):
+            raise MemoryError("CPU selective-scan backward: could not allocate its work buffer")
+        grads = (du, ddelta, dA_part.sum(0), dBt.transpose(1, 2), dCt.transpose(1, 2), dh0)
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+
+
+def selective_scan_cpu_train(u, delta, A, B, C, initial_state=None):
+    """The selective scan for training on CPU: (y (B, D, L), last state (B, D, N)), float32, both
+    differentiable with respect to every input, **without** the skip ``D`` and the gate ``z``
+    (apply them in PyTorch, as :func:`rfkit.ops.scan._finish_output` does).
+
+    Shapes as in :func:`rfkit.ops.scan.selective_scan_ref`, ``delta`` already biased and passed
+    through softplus. The forward is the sequential recurrence (the inference kernel's); it keeps
+    the state before every :data:`TRAIN_CHUNK` tokens, and the backward recomputes each chunk's
+    states from it and runs the recurrence backwards, so memory is one state per chunk, not per
+    token. Raises RuntimeError when the kernel is not available.
+    """
+    if initial_state is None:
+        initial_state = torch.zeros(u.shape[0], u.shape[1], A.shape[1], dtype=torch.float32)
+    return _TrainScan.apply(u, delta, A, B, C, initial_state)
 
 
 #: the logits' dtypes :func:`rowwise_loss_cpu` reads (other dtypes take the PyTorch twin)

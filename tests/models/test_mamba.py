@@ -617,28 +617,109 @@ def test_cpu_kernel_thread_split_equals_one_thread(openmp, monkeypatch):
 
 
 @needs_kernel
-def test_block_uses_cpu_kernel_only_without_grad(monkeypatch, caplog):
+def test_block_uses_the_inference_kernel_without_grad_and_the_training_kernel_with_it(monkeypatch, caplog):
     monkeypatch.setattr(rm, "_LOGGED_PATHS", set())
     calls = []
-    real = rm.selective_scan_cpu
-    monkeypatch.setattr(rm, "selective_scan_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, real_train = rm.selective_scan_cpu, rm.selective_scan_cpu_train
+    monkeypatch.setattr(rm, "selective_scan_cpu", lambda *a, **k: calls.append("inference") or real(*a, **k))
+    monkeypatch.setattr(rm, "selective_scan_cpu_train", lambda *a, **k: calls.append("training") or real_train(*a, **k))
     blk = MambaBlock(8, 6, use_fast_path="auto")
     x = torch.randn(2, 11, 8)
     with caplog.at_level(logging.INFO, logger="rfkit.models.mamba"):
-        train_out, train_states = blk(x, return_states=True)  # parameters need grad: PyTorch scan
-        assert not calls
+        train_out, train_states = blk(x, return_states=True)  # parameters need grad: the training kernel
+        assert calls == ["training"]
         with torch.no_grad():
             out, states = blk(x, return_states=True)
-    assert calls == [1]
+    assert calls == ["training", "inference"]
     torch.testing.assert_close(out, train_out.detach(), atol=1e-5, rtol=1e-5)
     for a, b in zip(states, train_states):
         torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
     msgs = [r.getMessage() for r in caplog.records if r.name == "rfkit.models.mamba"]
-    assert msgs == ["mamba: pure-PyTorch scan", "mamba: compiled CPU scan kernel (inference)"]
+    assert msgs == ["mamba: compiled CPU scan kernel (training, with its backward)", "mamba: compiled CPU scan kernel (inference)"]
     never = MambaBlock(8, 6, use_fast_path="never")
+    never(x).sum().backward()
     with torch.no_grad():
         never(x)
-    assert calls == [1]
+    assert calls == ["training", "inference"]  # "never": the PyTorch scan both ways
+
+
+def _train_scan_grads(fn, inputs, with_init, dtype):
+    """(y, last state, then the gradient of every input) of ``fn`` for a fixed weighting of y and
+    of the last state, inputs cast to ``dtype``."""
+    xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    y, h = fn(*xs[:5], initial_state=xs[5] if with_init else None)
+    wy = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y)
+    wh = torch.linspace(-0.5, 0.7, h.numel(), dtype=torch.float64).view_as(h)
+    ((y.double() * wy).sum() + (h.double() * wh).sum()).backward()
+    return [y.double(), h.double()] + [x.grad.double() for x in xs]
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_init", [False, True])
+def test_cpu_training_scan_matches_the_reference_outputs_and_grads(with_init):
+    """The C training scan (no D, no z) against the float64 sequential reference: outputs, last
+    state and the gradients of u, delta, A, B, C and the initial state, through y and through the
+    last state, at lengths inside one checkpoint chunk, on its edges and across several."""
+    chunk = cpu_kernels.TRAIN_CHUNK
+    for length in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 7):
+        u, delta, A, B, C, _, _, _, h0 = _scan_inputs(2, 5, 16, length, torch.float64, delta_max=0.5, seed=length)
+        inputs = [u, delta, A, B, C] + ([h0] if with_init else [])
+
+        def reference(*xs, initial_state):
+            return selective_scan_ref(*xs, initial_state=initial_state, return_last_state=True)
+
+        want = _train_scan_grads(reference, inputs, with_init, torch.float64)
+        got = _train_scan_grads(cpu_kernels.selective_scan_cpu_train, inputs, with_init, torch.float32)
+        names = ["y", "last state", "du", "ddelta", "dA", "dB", "dC", "dh0"]
+        for name, a, b in zip(names, got, want):
+            assert b.abs().sum() > 0 or (name == "dA" and length == 1 and not with_init), name  # one token from h = 0: no decay term
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m: f"length {length}, {name}: {m}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "python-threads"])
+def test_cpu_training_scan_thread_split_equals_one_thread(openmp, monkeypatch):
+    """Forward split over rows and backward over batch rows, on 3 threads (OpenMP's or Python's)
+    give one thread's outputs and gradients bit for bit."""
+    monkeypatch.setitem(cpu_kernels._state, "openmp", openmp and cpu_kernels.openmp())
+    u, delta, A, B, C, _, _, _, h0 = _scan_inputs(3, 7, 8, 150, torch.float32, delta_max=0.3, seed=5)
+    inputs = [u, delta, A, B, C, h0]
+    torch.set_num_threads(1)
+    one = _train_scan_grads(cpu_kernels.selective_scan_cpu_train, inputs, True, torch.float32)
+    torch.set_num_threads(3)
+    try:
+        three = _train_scan_grads(cpu_kernels.selective_scan_cpu_train, inputs, True, torch.float32)
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_training_through_the_cpu_kernel_equals_the_pytorch_scan(dtype):
+    """A block's loss and every gradient (input and parameters, D and the gate included) through
+    the C training scan equal the PyTorch scan's ("never"), with a left-padding mask and a given
+    state; every gradient comes in its tensor's dtype (bf16, or float32 for A_log and D)."""
+    torch.manual_seed(0)
+    blocks = {path: MambaBlock(8, 6, d_state=4, use_fast_path=path, dtype=dtype) for path in ("auto", "never")}
+    blocks["never"].load_state_dict(blocks["auto"].state_dict())
+    x = torch.randn(2, 45, 8, dtype=dtype)
+    mask = torch.ones(2, 45, dtype=torch.bool)
+    mask[1, :5] = False
+    conv, ssm = blocks["auto"].allocate_inference_cache(2)
+    ssm.normal_()
+    grads = {}
+    for path, blk in blocks.items():
+        xs = x.clone().requires_grad_()
+        out, (_, last) = blk(xs, ssm_state=ssm, mask=mask, return_states=True)
+        (out.float().square().sum() + last.square().sum()).backward()
+        grads[path] = [xs.grad] + [p.grad for _, p in blk.named_parameters()]
+        assert xs.grad.dtype == dtype
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for name, a, b in zip(["input"] + [n for n, _ in blocks["auto"].named_parameters()], grads["auto"], grads["never"]):
+        assert a.dtype == b.dtype and b.abs().sum() > 0, name  # each in its parameter's dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_cpu_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
