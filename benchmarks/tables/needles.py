@@ -69,6 +69,7 @@ def needles_by_beta() -> str:
 SHARPNESS_RUNS = [
     ("0.75", "trained hybrid (the recipe), sharpness 1", "needles_smollm2_b075/needles.json", "needles_recall_b075/context_recipe/context.json"),
     ("0.75", "the same weights at sharpness 1.25", "sharpness_b075/needles_sharp_1.25/needles.json", "sharpness_b075/context_sharp_1.25/context.json"),
+    ("0.75", "trained at sharpness 1.25 (the same heads and steps)", "sharpness_b075/needles_sharp_1.25_trained/needles.json", "sharpness_b075/context_sharp_1.25_trained/context.json"),
     ("0.9", "trained hybrid (the recipe), sharpness 1", "needles_smollm2_b09/needles.json", "sharpness_b09/context_recipe/context.json"),
     ("0.9", "the same weights at sharpness 1.5", "sharpness_b09/needles_sharp_1.5/needles.json", "sharpness_b09/context_sharp_1.5/context.json"),
 ]
