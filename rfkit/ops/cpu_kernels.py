@@ -211,6 +211,22 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+def _scan_library():
+    """The loaded library, or RuntimeError saying why the scan kernels are unavailable."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
+    return lib
+
+
+def _scan_layout(u, delta, A, B, C):
+    """The scan kernels' inputs: u, delta (B, D, L), A (D, N) and B, C transposed to (B, L, N),
+    float32, contiguous, detached."""
+    u, delta, A = (t.detach().to(torch.float32).contiguous() for t in (u, delta, A))
+    Bt, Ct = (t.detach().to(torch.float32).transpose(1, 2).contiguous() for t in (B, C))
+    return u, delta, A, Bt, Ct
+
+
 @torch.no_grad()
 def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     """Inference selective scan on CPU float32 tensors; returns (y (B, D, L), last state (B, D, N)).
@@ -218,17 +234,11 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, initial_state=None):
     Shapes as in :func:`rfkit.ops.scan.selective_scan_ref`, with ``delta`` already biased and
     passed through softplus. Raises RuntimeError when the kernel is not available.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
+    lib = _scan_library()
     f32 = torch.float32
     bsz, dim, length = u.shape
     n = A.shape[1]
-    u = u.to(f32).contiguous()
-    delta = delta.to(f32).contiguous()
-    A = A.to(f32).contiguous()
-    Bt = B.to(f32).transpose(1, 2).contiguous()  # (B, L, N)
-    Ct = C.to(f32).transpose(1, 2).contiguous()  # (B, L, N)
+    u, delta, A, Bt, Ct = _scan_layout(u, delta, A, B, C)
     D = None if D is None else D.to(f32).contiguous()
     z = None if z is None else z.to(f32).contiguous()
     if initial_state is None:
@@ -270,15 +280,12 @@ class _TrainScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, delta, A, B, C, h0):
-        lib = _load()
-        if lib is None:
-            raise RuntimeError(f"CPU selective-scan kernel unavailable: {_state['error'] or 'disabled'}")
+        lib = _scan_library()
         f32 = torch.float32
         bsz, dim, length = u.shape
         n = A.shape[1]
         ctx.dtypes = tuple(t.dtype for t in (u, delta, A, B, C, h0))
-        u, delta, A = (t.detach().to(f32).contiguous() for t in (u, delta, A))
-        Bt, Ct = (t.detach().to(f32).transpose(1, 2).contiguous() for t in (B, C))  # (B, L, N)
+        u, delta, A, Bt, Ct = _scan_layout(u, delta, A, B, C)
         h = h0.detach().to(f32).clone().contiguous()
         chunks = -(-length // TRAIN_CHUNK)
         hck = torch.empty(bsz, dim, chunks, n, dtype=f32)
