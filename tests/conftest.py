@@ -13,6 +13,21 @@ import rfkit  # noqa: F401  (registers the converted model types)
 from rfkit.cli import main
 
 
+def pytest_configure(config):
+    """One build of the compiled CPU kernels for the whole run: every test (and every rfkit
+    process a test starts) has its own ``RFKIT_CACHE``, where each would otherwise compile them
+    again. Set here, before pytest-xdist starts its workers, so they and their children inherit
+    it; the library's file name is keyed by its sources, flags and machine
+    (:func:`rfkit.ops.cpu_kernels.kernels_dir`)."""
+    import getpass
+    import os
+    import tempfile
+    from pathlib import Path
+
+    if "RFKIT_KERNELS_DIR" not in os.environ:
+        os.environ["RFKIT_KERNELS_DIR"] = str(Path(tempfile.gettempdir()) / f"rfkit-test-kernels-{getpass.getuser()}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Deselect (not skip) every test marked ``cuda`` where no GPU is, unless ``RFKIT_CUDA_TWIN=1``
     asks for them: they then run on the CPU as twins of the GPU check (tests/cuda/conftest.py)."""

@@ -16,9 +16,10 @@ evicted key, attend, add the state), about 35 PyTorch ops per layer and token in
 float32 or, for a bf16 model, over its bf16 activations and window K/V (``rf_window_step_bf16``:
 bf16 loaded exactly, float32 arithmetic and sums, the output rounded as torch rounds it).
 
-* Built on first use with ``$CC`` (default ``cc``), cached under ``<rfkit cache>/kernels``
-  keyed by the source, the flags and the machine, and renamed into place, so concurrent
-  builds never see a half-written library.
+* Built on first use with ``$CC`` (default ``cc``), cached under
+  ``<rfkit cache>/kernels`` (or ``$RFKIT_KERNELS_DIR``, :func:`kernels_dir`) keyed by the source,
+  the flags and the machine, and renamed into place, so concurrent builds never see a
+  half-written library.
 * No compiler, a failed build or ``RFKIT_CPU_KERNEL=0`` only switches it off: the block then
   uses the pure-PyTorch scan (:func:`rfkit.ops.scan.selective_scan_prefix`), and says so once.
 * ``kernels/loss_cpu.c`` is the exception to "inference only" below: the training loss on the
@@ -71,14 +72,21 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def _library_path(variant: list[str]) -> Path:
+def kernels_dir() -> Path:
+    """Where the compiled library is kept: ``$RFKIT_KERNELS_DIR`` when set (one build shared by
+    several caches, as ``TORCH_EXTENSIONS_DIR`` is for PyTorch's), else ``<rfkit cache>/kernels``."""
     from rfkit.hub import cache_dir
 
+    override = os.environ.get("RFKIT_KERNELS_DIR")
+    return Path(override) if override else cache_dir() / "kernels"
+
+
+def _library_path(variant: list[str]) -> Path:
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha1(
         "\0".join([*(src.read_text() for src in _SOURCES + _HEADERS), cc, *_FLAGS, *variant, platform.machine(), platform.node(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"mamba_cpu-{key}.so"
+    return kernels_dir() / f"mamba_cpu-{key}.so"
 
 
 def _cpu_flags() -> str:

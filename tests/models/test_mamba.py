@@ -724,6 +724,7 @@ def test_block_training_through_the_cpu_kernel_equals_the_pytorch_scan(dtype):
 
 def test_cpu_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("RFKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("RFKIT_KERNELS_DIR", raising=False)  # the cache's own kernels/ (conftest shares one)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "tried": False, "error": None})
     with caplog.at_level(logging.WARNING, logger="rfkit.ops.cpu_kernels"):
@@ -754,6 +755,7 @@ def test_a_compiler_without_openmp_gets_the_kernels_without_it_and_is_not_asked_
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RFKIT_KERNELS_DIR", raising=False)
     monkeypatch.setenv("CC", str(wrapper))
     for attempt in (1, 2):
         monkeypatch.setattr(cpu_kernels, "_state", {"lib": None, "tried": False, "error": None, "openmp": False})
@@ -762,6 +764,16 @@ def test_a_compiler_without_openmp_gets_the_kernels_without_it_and_is_not_asked_
         assert [" -fopenmp " in f" {line} " for line in builds] == [True, False]  # each tried once, ever
     y, state = cpu_kernels.selective_scan_cpu(*_scan_inputs(1, 2, 4, 3, torch.float32)[:5])
     assert torch.isfinite(y).all()
+
+
+def test_the_library_is_kept_under_rfkit_kernels_dir_else_under_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RFKIT_KERNELS_DIR", raising=False)
+    assert cpu_kernels.kernels_dir() == tmp_path / "cache" / "kernels"
+    monkeypatch.setenv("RFKIT_KERNELS_DIR", str(tmp_path / "shared"))
+    assert cpu_kernels.kernels_dir() == tmp_path / "shared"
+    path = cpu_kernels._library_path(["-fopenmp"])
+    assert path.parent == tmp_path / "shared" and path.name.startswith("mamba_cpu-") and path.suffix == ".so"
 
 
 def test_cpu_kernel_can_be_switched_off(monkeypatch):
