@@ -40,6 +40,23 @@ class HangAt(L.Callback):
                 time.sleep(1)
 
 
+class Crash(RuntimeError):
+    """What :class:`CrashAt` raises: not an error rfkit describes, so it propagates."""
+
+
+class CrashAt(L.Callback):
+    """At the start of the batch after optimizer step ``step``, raise :class:`Crash`: a run in
+    process that dies mid-training without saving anything (Lightning saves no checkpoint on an
+    exception), where a ``kill -9`` would need a process of its own."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash after step {self.step}")
+
+
 class PoisonAt(L.Callback):
     """Before the batch after optimizer step ``step``, set one trainable weight to NaN."""
 
