@@ -112,36 +112,38 @@ def tiny_recipe(model_dir, corpus, root: Path) -> Path:
     return path
 
 
+# Run in the checks' process after MIXER_CHECKS (one interpreter start for both), on the folder
+# `rfkit convert` wrote: sys.argv[2], empty when the conversion failed
 RELOAD = """
-import json, sys
-import torch
 import rfkit  # registers the converted model types
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-out = sys.argv[1]
-model = AutoModelForCausalLM.from_pretrained(out).eval()
-saved, state = load_file(out + "/model.safetensors"), model.state_dict()
-mixers = {n: m for n, m in model.named_modules() if type(m).__name__ == "EMAMixer"}
-ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
-    full = model(ids).logits
-    step = model(ids[:, :8], use_cache=True)  # prefill, then one token at a time through EMAMixer.step
-    cache, logits = step.past_key_values, [step.logits]
-    for t in range(8, 12):
-        step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache, logits = step.past_key_values, logits + [step.logits]
-print(json.dumps({
-    "type": type(model).__name__,
-    "mixers": sorted(mixers),
-    "mixer_type": sorted({type(m).__module__ + "." + type(m).__name__ for m in mixers.values()}),
-    "differs_from_file": [k for k, v in saved.items() if not torch.equal(state[k], v)],
-    "not_in_file": [k for k in state if ".mixer." in k and k not in saved],
-    "out_proj_max": max(float(m.out_proj.weight.detach().abs().max()) for m in mixers.values()),
-    "shape": list(full.shape),
-    "finite": bool(torch.isfinite(full).all()),
-    "decode_vs_full": float((torch.cat(logits, 1) - full).abs().max()),
-}))
+out = sys.argv[2]
+if out:
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved, state = load_file(out + "/model.safetensors"), model.state_dict()
+    mixers = {n: m for n, m in model.named_modules() if type(m).__name__ == "EMAMixer"}
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        step = model(ids[:, :8], use_cache=True)  # prefill, then one token at a time through EMAMixer.step
+        cache, logits = step.past_key_values, [step.logits]
+        for t in range(8, 12):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache, logits = step.past_key_values, logits + [step.logits]
+    res["reload"] = {
+        "type": type(model).__name__,
+        "mixers": sorted(mixers),
+        "mixer_type": sorted({type(m).__module__ + "." + type(m).__name__ for m in mixers.values()}),
+        "differs_from_file": [k for k, v in saved.items() if not torch.equal(state[k], v)],
+        "not_in_file": [k for k in state if ".mixer." in k and k not in saved],
+        "out_proj_max": max(float(m.out_proj.weight.detach().abs().max()) for m in mixers.values()),
+        "shape": list(full.shape),
+        "finite": bool(torch.isfinite(full).all()),
+        "decode_vs_full": float((torch.cat(logits, 1) - full).abs().max()),
+    }
+print(json.dumps(res))
 """
 
 
@@ -173,13 +175,10 @@ def test_short_names_from_an_installed_plugin_drive_a_conversion(converted):
     assert "library_name: rfkit\n" in (out / "README.md").read_text()
 
 
-def test_the_converted_model_reloads_with_its_plugin_operator(converted, plugin_site, tmp_path):
-    proc, out = converted
+def test_the_converted_model_reloads_with_its_plugin_operator(converted, mixer_checks):
+    proc, _out = converted
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-c", RELOAD, str(out)], capture_output=True, text=True, cwd=tmp_path,
-                         env=_env(plugin_site, cache=tmp_path / "cache"), timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = mixer_checks["reload"]
     assert got["type"] == "RecurFormerLlamaForCausalLM"
     assert got["mixer_type"] == ["rfkit_entropy_plugin.EMAMixer"] and got["mixers"]
     assert got["differs_from_file"] == [] and got["not_in_file"] == []  # the reloaded weights are the saved ones
@@ -274,16 +273,18 @@ from rfkit.config.lightning_cli import make_cli
 cli = make_cli(["--config", sys.argv[1], "--model.policy", "my_policies.RecentHeads",
                 "--model.policy.init_args.threshold", "0.7"], run=False)
 res["docs_cli"] = [type(cli.model.policy).__name__, cli.model.policy.threshold, cli.model.policy.window]
-print(json.dumps(res))
 """
 
 
 @pytest.fixture(scope="module")
-def mixer_checks(plugin_site, tiny_model_dir, tiny_corpus, tmp_path_factory) -> dict:
+def mixer_checks(plugin_site, converted, tiny_model_dir, tiny_corpus, tmp_path_factory) -> dict:
+    """MIXER_CHECKS, then RELOAD on the converted folder, in one process where the plugin is installed."""
     cwd = tmp_path_factory.mktemp("plugin-checks")
     recipe = tiny_recipe(tiny_model_dir, tiny_corpus, cwd)
-    code = f"DOCS_POLICY = {docs_policy()!r}\n{MIXER_CHECKS}"
-    proc = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True, cwd=cwd,
+    convert, out = converted
+    folder = str(out) if convert.returncode == 0 else ""
+    code = f"DOCS_POLICY = {docs_policy()!r}\n{MIXER_CHECKS}{RELOAD}"
+    proc = subprocess.run([sys.executable, "-c", code, str(recipe), folder], capture_output=True, text=True, cwd=cwd,
                           env=_env(plugin_site, cache=cwd / "cache"), timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
