@@ -56,18 +56,27 @@ void rf_selective_scan_f32(const float *u, const float *delta, const float *A, c
     }
 }
 
+/* Run `t` of `threads` equal runs over `total` rows (or batch rows): [*begin, *end), empty when the
+ * rows run out before the threads do. Every split below uses it, so a split never changes which
+ * row a thread computes, only how many threads there are. */
+static inline void rf_run_bounds(int64_t t, int64_t total, int64_t threads, int64_t *begin, int64_t *end) {
+    const int64_t step = (total + threads - 1) / threads;
+    *begin = t * step;
+    *end = *begin + step < total ? *begin + step : total;
+}
+
 /* rf_selective_scan_f32 over all `rows`, split into `threads` equal runs of rows on OpenMP threads
  * when the library is built with OpenMP (the process's runtime: PyTorch's own pool where PyTorch
  * uses GNU OpenMP), in one run otherwise. */
 void rf_selective_scan_rows_f32(const float *u, const float *delta, const float *A, const float *Bt,
                                 const float *Ct, const float *Dskip, const float *z, float *h, float *y,
                                 int64_t dim, int64_t length, int64_t n, int64_t rows, int64_t threads) {
-    const int64_t step = (rows + threads - 1) / threads;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
 #endif
     for (int64_t t = 0; t < threads; ++t) {
-        const int64_t begin = t * step, end = begin + step < rows ? begin + step : rows;
+        int64_t begin, end;
+        rf_run_bounds(t, rows, threads, &begin, &end);
         if (begin < end) rf_selective_scan_f32(u, delta, A, Bt, Ct, Dskip, z, h, y, dim, length, n, begin, end);
     }
 }
@@ -261,12 +270,12 @@ void rf_scan_train_fwd_rows_f32(const float *u, const float *delta, const float 
                                 const float *Ct, float *h, float *hck, float *y, int64_t dim,
                                 int64_t length, int64_t n, int64_t chunk, int64_t rows,
                                 int64_t threads) {
-    const int64_t step = (rows + threads - 1) / threads;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
 #endif
     for (int64_t t = 0; t < threads; ++t) {
-        const int64_t begin = t * step, end = begin + step < rows ? begin + step : rows;
+        int64_t begin, end;
+        rf_run_bounds(t, rows, threads, &begin, &end);
         if (begin < end) rf_scan_train_fwd_f32(u, delta, A, Bt, Ct, h, hck, y, dim, length, n, chunk, begin, end);
     }
 }
@@ -276,13 +285,13 @@ int rf_scan_train_bwd_batches_f32(const float *u, const float *delta, const floa
                                   const float *dh_last, float *du, float *ddelta, float *dA_part,
                                   float *dBt, float *dCt, float *dh0, int64_t dim, int64_t length,
                                   int64_t n, int64_t chunk, int64_t batch, int64_t threads) {
-    const int64_t step = (batch + threads - 1) / threads;
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static, 1) num_threads(threads) reduction(| : failed)
 #endif
     for (int64_t t = 0; t < threads; ++t) {
-        const int64_t begin = t * step, end = begin + step < batch ? begin + step : batch;
+        int64_t begin, end;
+        rf_run_bounds(t, batch, threads, &begin, &end);
         if (begin < end && rf_scan_train_bwd_f32(u, delta, A, Bt, Ct, hck, dy, dh_last, du, ddelta, dA_part,
                                                  dBt, dCt, dh0, dim, length, n, chunk, begin, end) != 0)
             failed |= 1;
