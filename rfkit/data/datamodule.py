@@ -85,6 +85,7 @@ class TextDataModule(L.LightningDataModule):
         long_batch_size: int = 1,
         long_recall: int = 0,
         long_recall_gap: int = 256,
+        long_recall_max_gap: int | None = None,
     ):
         """Text source, tokenisation and packing settings.
 
@@ -127,6 +128,9 @@ class TextDataModule(L.LightningDataModule):
                 ``long_recall_gap`` tokens later (:mod:`rfkit.data.recall`; the answers' loss is
                 ``model.distill.recall``). 0: the long blocks are plain text.
             long_recall_gap: Fewest tokens between a record and its recall line.
+            long_recall_max_gap: Most tokens between a record and its recall line (null: up to
+                the block's end). Below the hybrid's window, the recall asks the model to quote
+                what its exact window still holds.
         """
         super().__init__()
         self.source = str(source)
@@ -149,6 +153,7 @@ class TextDataModule(L.LightningDataModule):
         self.long_every = long_every
         self.long_batch_size = long_batch_size
         self.long_recall, self.long_recall_gap = long_recall, long_recall_gap
+        self.long_recall_max_gap = long_recall_max_gap
         self.long_train: torch.Tensor | None = None  # (N, long_seq_len): long_blocks() reads it on first use
 
         self.calibration: torch.Tensor | None = None
@@ -180,6 +185,9 @@ class TextDataModule(L.LightningDataModule):
             value = getattr(self, field)
             if value is not None and (not _is_int(value) or value < 1):
                 raise SourceError(f"data.{field}: must be an integer >= 1 or null, got {value!r}")
+        gap, most = self.long_recall_gap, self.long_recall_max_gap
+        if most is not None and (not _is_int(most) or (_is_int(gap) and most < gap)):
+            raise SourceError(f"data.long_recall_max_gap: must be an integer >= data.long_recall_gap ({gap}) or null, got {most!r}")
         if self.long_recall and self.long_source is None:
             raise SourceError(f"data.long_recall: plants records in the long blocks; set data.long_source or use 0, got {self.long_recall}")
         if not _is_int(self.seed):
@@ -284,11 +292,11 @@ class TextDataModule(L.LightningDataModule):
         known = self.model_source
         return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
-    def recall_planter(self, count: int, gap: int, field: str):
+    def recall_planter(self, count: int, gap: int, field: str, max_gap: int | None = None):
         """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors name ``field``)."""
         from rfkit.data.recall import RecallPlanter
 
-        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field)
+        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field, max_gap=max_gap)
 
     def other_train_blocks(self, source: str, seq_len: int, field: str) -> torch.Tensor:
         """The train split of another ``source`` in ``seq_len``-token blocks, this data's tokeniser (errors name ``field``)."""
@@ -496,6 +504,8 @@ class TextDataModule(L.LightningDataModule):
             return {}
         settings = {"source": self.long_source, "seq_len": self.long_seq_len, "every": self.long_every}
         recall = {"recall": self.long_recall, "recall_gap": self.long_recall_gap} if self.long_recall else {}
+        if self.long_recall and self.long_recall_max_gap is not None:
+            recall["recall_max_gap"] = self.long_recall_max_gap
         return {"long": {**settings, "batch_size": self.long_batch_size, **recall}}
 
 

@@ -4,8 +4,8 @@ A replaced head forgets what left its window; the heads that stay must carry it,
 ones must not drown them out. Plain text rarely asks for an exact token from thousands of
 tokens back, so the training signal for it is weak. With ``data.long_recall: n``, each long
 block of the training mix carries ``n`` short records written into the real text at random
-places, and for each one, at least ``long_recall_gap`` tokens later, a recall line that repeats
-its label and must repeat its number:
+places, and for each one, at least ``long_recall_gap`` tokens later (and at most
+``long_recall_max_gap``, when set), a recall line that repeats its label and must repeat its number:
 
     ... (Record: the cobalt number is 48213.) ...   ...   (Recall: the cobalt number is 48213.) ...
 
@@ -13,6 +13,11 @@ The number's tokens in the recall line are the *answers*: the batch carries thei
 (``answer_mask``), so ``model.distill.recall`` can weigh a cross-entropy on them alone. Nothing
 here is the passkey evaluation's template (``rfkit eval passkey`` hides "The pass key is ..." in
 repeated filler sentences); the skill, copying a number seen far back, is the same.
+
+With a small ``long_recall_max_gap`` (below the hybrid's window) the record is still inside every
+replaced head's exact window when it is recalled: the skill asked is then to quote what the window
+holds without the recurrent state drowning it out, which a far recall (only the kept heads and the
+states reach it) never asks.
 
 Each block's records are fixed by (seed, row): a resumed fit sees the same blocks.
 """
@@ -54,16 +59,21 @@ class RecallPlanter:
         tokenizer: A fast tokenizer (offsets are needed to find the number's tokens).
         count: Records per block.
         gap: Fewest tokens between the end of a record and its recall line.
+        max_gap: Most tokens between the end of a record and its recall line (None: up to the
+            block's end).
         seed: With the row index, fixes each block's records.
         field: The setting that asked for records, named in errors.
     """
 
-    def __init__(self, tokenizer, count: int, gap: int, seed: int = 0, field: str = "data.long_recall"):
+    def __init__(self, tokenizer, count: int, gap: int, seed: int = 0, field: str = "data.long_recall", max_gap: int | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise SourceError(f"{field}: needs a fast tokenizer (its offsets find the answers); use 0 with this tokenizer")
         self.tokenizer = tokenizer
         self.count = int(count)
         self.gap = int(gap)
+        self.max_gap = None if max_gap is None else int(max_gap)
+        if self.max_gap is not None and self.max_gap < self.gap:
+            raise SourceError(f"{field}_max_gap: must be >= the gap ({self.gap}) or null, got {self.max_gap}")
         self.seed = int(seed)
 
     def __call__(self, block: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +91,10 @@ class RecallPlanter:
             room = length - len(record) - self.gap - len(recall)
             for _ in range(TRIES if room >= 0 else 0):
                 at = rng.randint(0, room)
-                back = rng.randint(at + len(record) + self.gap, length - len(recall))
+                last = length - len(recall)
+                if self.max_gap is not None:
+                    last = min(last, at + len(record) + self.max_gap)
+                back = rng.randint(at + len(record) + self.gap, last)
                 spans = ((at, at + len(record)), (back, back + len(recall)))
                 if all(b <= s or e <= a for a, b in spans for s, e in taken):
                     taken.extend(spans)
@@ -102,4 +115,4 @@ def planter_for(data) -> RecallPlanter | None:
     """The planter of a :class:`~rfkit.data.TextDataModule`'s ``long_recall`` (None at 0)."""
     if not data.long_recall:
         return None
-    return data.recall_planter(data.long_recall, data.long_recall_gap, "data.long_recall")
+    return data.recall_planter(data.long_recall, data.long_recall_gap, "data.long_recall", data.long_recall_max_gap)

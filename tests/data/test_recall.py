@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rfkit.data.recall import RECALL, RECORD, RecallPlanter
+from rfkit.data.recall import RECALL, RECORD, RecallPlanter, _encode
 from rfkit.hub import EMBEDDED_MODEL, SourceError, resolve_model
 from rfkit.training.distill import DistillConfig, DistillError, answer_loss, training_loss
 
@@ -35,7 +35,7 @@ def _lines(tokenizer, ids: torch.Tensor) -> list[tuple[int, str, str, str]]:
     """(token position, kind, label, number) of every record and recall line in ``ids``."""
     found = []
     for start in range(len(ids)):
-        text = tokenizer.decode(ids[start : start + 16])
+        text = tokenizer.decode(ids[start : start + 20])  # a line with a 6-digit number is 17 tokens
         match = PAIR.match(text.lstrip("\n"))
         if match and not (found and start - found[-1][0] < 4):
             found.append((start, *match.groups()))
@@ -141,8 +141,8 @@ def test_a_fit_with_planted_recall_logs_the_answers_loss(tiny_model_dir, tiny_co
 
     args = [
         "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
-        "--data.long_recall", "2", "--data.long_recall_gap", "16", "--model.distill.recall", "1",
-        "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "CSVLogger",
+        "--data.long_recall", "2", "--data.long_recall_gap", "16", "--data.long_recall_max_gap", "24",
+        "--model.distill.recall", "1", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "CSVLogger",
         "--trainer.logger.save_dir", str(tmp_path),
     ]  # fmt: skip
     code, _, err = run_cli(args, capsys)
@@ -152,4 +152,29 @@ def test_a_fit_with_planted_recall_logs_the_answers_loss(tiny_model_dir, tiny_co
     logged = [float(row.split(",")[column]) for row in metrics[1:] if row.split(",")[column]]
     assert logged and all(value > 0 for value in logged)  # the tiny model cannot copy the numbers yet
     config = next(tmp_path.rglob("config.yaml")).read_text()
-    assert "long_recall: 2" in config and "recall: 1" in config
+    assert "long_recall: 2" in config and "recall: 1" in config and "long_recall_max_gap: 24" in config
+
+
+def test_a_max_gap_keeps_every_recall_within_it(tokenizer, block):
+    planter = RecallPlanter(tokenizer, count=6, gap=0, seed=0, max_gap=40)
+    ids, answers = planter(block, row=5)
+    lines = _lines(tokenizer, ids)
+    records = {label: (at, number) for at, kind, label, number in lines if kind == "Record"}
+    recalls = {label: (at, number) for at, kind, label, number in lines if kind == "Recall"}
+    assert len(records) == len(recalls) == 6 and records.keys() == recalls.keys()
+    record_length = len(_encode(tokenizer, RECORD, "amber", "1")[0])
+    for label, (at, number) in records.items():
+        back, repeated = recalls[label]
+        assert repeated == number
+        # from the record's end to the recall line: at most 40 tokens (the record is a few
+        # tokens longer with a longer label or number)
+        assert 0 <= back - at - record_length <= 40 + 4
+    far = RecallPlanter(tokenizer, count=6, gap=0, seed=0)(block, row=5)[0]
+    far_lines = _lines(tokenizer, far)
+    spans = [b[0] - a[0] for a in far_lines for b in far_lines if a[2] == b[2] and a[1] == "Record" and b[1] == "Recall"]
+    assert max(spans) > 100  # without it the recall lands anywhere after the record
+
+
+def test_a_max_gap_below_the_gap_is_refused_in_one_line(tokenizer):
+    with pytest.raises(SourceError, match=r"^data\.long_recall_max_gap: must be >= the gap \(64\) or null, got 10$"):
+        RecallPlanter(tokenizer, 2, 64, max_gap=10)
