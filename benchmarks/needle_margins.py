@@ -1,0 +1,139 @@
+"""Which layer's recurrent state turns a needle answer away from the key: the first answer token's
+margin on ``rfkit eval needles`` prompts, with every state on, with each layer's state alone
+switched off, with every state off, and for the original.
+
+    python benchmarks/needle_margins.py MODEL [--shape plays] [--lengths 2048,4096] [--depths 1]
+        [--trials 2] [--seed 0] [--output DIR]
+
+The prompts are the ones ``rfkit eval needles`` asks (same shape, lengths, depths, trials and
+seed, so the same keys). For each prompt the *margin* is the log-probability of the key's first
+token minus the best other token's, at the position that answers: above 0 the greedy answer
+starts with the key. A needle eval counts four prompts as 2 of 4; the margin says how far each
+one is from flipping, and which layer's state moves it. ``MODEL`` is a converted model directory
+whose mixers have a state ablation (the hybrid and hybrid-Mamba operators). Costs one forward per
+prompt of the original and ``2 + layers with a state`` of the converted model. Writes
+``needle_margins.json`` (with provenance) and ``needle_margins.md`` into ``--output`` (default:
+the model's folder) and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from rfkit.atomic import atomic_write_json, atomic_write_text
+from rfkit.config.loading import load_model
+from rfkit.evals import needles
+from rfkit.models.mixer import ablatable_mixers, ablate_states
+from rfkit.models.modeling import decoder_layers
+from rfkit.provenance import stamp
+
+
+@torch.no_grad()
+def margins(model, prompts: list[tuple[torch.Tensor, int]]) -> list[dict]:
+    """Per prompt ``(ids (1, L), key's first token)``: ``{"margin", "top"}``, the key token's
+    log-probability minus the best other token's, and the best token's id."""
+    out = []
+    for ids, key_token in prompts:
+        logp = model(input_ids=ids, use_cache=False).logits[0, -1].float().log_softmax(-1)
+        other = logp.clone()
+        other[key_token] = float("-inf")
+        best = int(logp.argmax())
+        out.append({"margin": round(float(logp[key_token] - other.max()), 4), "top": best})
+    return out
+
+
+def key_token(tokenizer, text: str, key: int) -> int:
+    """The first token the model must produce after ``text`` to answer ``key`` (the key's
+    leading space merged as the tokenizer merges it)."""
+    full = tokenizer(text + f" {key}")["input_ids"]
+    prompt = tokenizer(text)["input_ids"]
+    if full[: len(prompt)] != prompt:
+        raise SystemExit("the prompt's tokens change when the key follows it; cannot name the answer's first token")
+    return full[len(prompt)]
+
+
+def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int) -> dict:
+    converted = load_model(model_dir)
+    mixers = ablatable_mixers(converted.model)
+    if not mixers:
+        raise SystemExit(f"{model_dir}: no mixer with a state to switch off (the hybrid and hybrid-Mamba operators have one)")
+    tok = converted.tokenizer
+    records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
+    prompts = []
+    for r in records:
+        ids = tok(r["text"], return_tensors="pt").input_ids  # as rfkit eval needles tokenizes it
+        prompts.append((ids, key_token(tok, r["text"], r["key"])))
+    original = load_model(model_dir, original=True).model.eval()
+    rows = {"original": margins(original, prompts)}
+    del original
+    model = converted.model.eval()
+    rows["every state on"] = margins(model, prompts)
+    with ablate_states(model):
+        rows["every state off"] = margins(model, prompts)
+    layer_of = {id(m): i for i, layer in enumerate(decoder_layers(model)) for m in layer.modules()}
+    layers = []
+    for mixer in tqdm(mixers, desc="one state off", unit="layer"):
+        with mixer.state_ablation():
+            got = margins(model, prompts)
+        layers.append({"layer": layer_of[id(mixer)], "margins": [g["margin"] for g in got]})
+    for row in layers:
+        row["change"] = [round(m - on["margin"], 4) for m, on in zip(row["margins"], rows["every state on"])]
+    described = [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "key_token": k} for r, (_, k) in zip(records, prompts)]
+    for d, on in zip(described, rows["every state on"]):
+        d["top_with_state"] = tok.decode([on["top"]])
+    return {"model": model_dir, "shape": shape, "lengths": lengths, "depths": depths, "trials": trials, "seed": seed,
+            "prompts": described, "rows": {k: [x["margin"] for x in v] for k, v in rows.items()}, "layers": layers}  # fmt: skip
+
+
+def markdown(result: dict) -> str:
+    heads = [f"{p['length']:,} d{p['depth']:g} #{p['trial']}" for p in result["prompts"]]
+    lines = [
+        f"{result['model']}: first answer token's margin (log p of the key's first token minus the best other token's; above 0: the key) on `{result['shape']}` needles",
+        "",
+        "| model | " + " | ".join(heads) + " |",
+        "|---|" + "---:|" * len(heads),
+        *(f"| {name} | " + " | ".join(f"{m:+.2f}" for m in row) + " |" for name, row in result["rows"].items()),
+        "| best token with every state on | " + " | ".join(repr(p["top_with_state"]) for p in result["prompts"]) + " |",
+        "",
+        "Margin change when one layer's state alone is off (positive: that layer's state pushes the answer away from the key), by mean change:",
+        "",
+        "| layer | " + " | ".join(heads) + " | mean |",
+        "|---:|" + "---:|" * (len(heads) + 1),
+    ]
+    for row in sorted(result["layers"], key=lambda x: -sum(x["change"]) / len(x["change"])):
+        lines.append(f"| {row['layer']} | " + " | ".join(f"{c:+.2f}" for c in row["change"]) + f" | {sum(row['change']) / len(row['change']):+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--shape", default="plays", choices=sorted(needles.SHAPES))
+    parser.add_argument("--lengths", default="2048,4096")
+    parser.add_argument("--depths", default="1")
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    if needles.SHAPES[args.shape].needles != 1:
+        raise SystemExit(f"--shape: {args.shape} hides several keys; give one of the one-key shapes")
+    started = time.time()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    result = stamp(report(args.model, args.shape, lengths, depths, args.trials, args.seed), started)
+    out = Path(args.output or args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "needle_margins.json", result)
+    text = markdown(result)
+    atomic_write_text(out / "needle_margins.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

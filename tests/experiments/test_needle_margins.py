@@ -1,0 +1,65 @@
+"""benchmarks/needle_margins.py: the first answer token's margin on needle prompts, per layer's
+state, on the tiny converted model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import load_script
+
+
+@pytest.mark.slow
+def test_each_layers_state_alone_off_moves_only_its_own_margin(converted_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rfkit.evals import needles
+
+    script = load_script("benchmarks/needle_margins.py")
+    model = tmp_path / "model"
+    shutil.copytree(converted_dir, model)
+    # open the gates of the first converted layer only (closed elsewhere): only its state counts
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    gates = sorted(k for k in tensors if k.endswith("mixer.gate"))
+    first = gates[0]
+    for name in gates:
+        tensors[name] = torch.full_like(tensors[name], 1.0 if name == first else 0.0)
+    scale = first.replace("mixer.gate", "mixer.log_scale")
+    tensors[scale] = torch.full_like(tensors[scale], 5.0)  # old tokens weigh e^5 times their softmax share
+    save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "report"
+    args = [str(model), "--shape", "passkey", "--lengths", "160", "--depths", "0,1", "--trials", "1", "--output", str(out)]
+    assert script.main(args) == 0
+    result = json.loads((out / "needle_margins.json").read_text())
+    assert "provenance" in result and len(result["prompts"]) == 2
+    # the prompts and keys are the ones rfkit eval needles asks with the same settings
+    tok = AutoTokenizer.from_pretrained(str(model))
+    asked = needles.prompts(tok, [needles.SHAPES["passkey"]], [160], [0.0, 1.0], 1, 0)
+    assert [p["key"] for p in result["prompts"]] == [r["key"] for r in asked]
+    for p, r in zip(result["prompts"], asked):  # the answer's first token: the key's, as it follows the prompt
+        assert p["key_token"] == tok(r["text"] + f" {r['key']}")["input_ids"][len(tok(r["text"])["input_ids"])]
+    rows = result["rows"]
+    assert set(rows) == {"original", "every state on", "every state off"}
+    opened = int(first.split(".layers.")[1].split(".")[0])
+    layers = {row["layer"]: row for row in result["layers"]}
+    assert len(layers) == len(gates)
+    for layer, row in layers.items():
+        if layer == opened:  # the only state that does anything: off alone is every state off
+            assert row["margins"] == rows["every state off"] and any(c != 0 for c in row["change"])
+        else:  # a closed gate: switching the state off changes nothing
+            assert row["margins"] == rows["every state on"] and all(c == 0 for c in row["change"])
+    # a margin above 0 is a greedy answer that starts with the key's token
+    for margin, p in zip(rows["every state on"], result["prompts"]):
+        assert (margin > 0) == (p["top_with_state"] == tok.decode([p["key_token"]]))
+    assert "| layer |" in (out / "needle_margins.md").read_text()
+
+
+def test_a_shape_with_several_keys_is_refused(tmp_path):
+    script = load_script("benchmarks/needle_margins.py")
+    with pytest.raises(SystemExit, match="--shape: multi hides several keys"):
+        script.main([str(tmp_path), "--shape", "multi"])
