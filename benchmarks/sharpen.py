@@ -1,6 +1,7 @@
-"""Copy a saved hybrid model with another state sharpness, without training.
+"""Copy a saved hybrid model with another state sharpness, or with some layers' states closed, without training.
 
     python benchmarks/sharpen.py SRC DST --sharpness 1.25
+    python benchmarks/sharpen.py SRC DST --close-states 5,14
 
 ``SRC`` is a converted model folder whose operator is the hybrid (``rfkit.operators.HybridOperator``);
 ``DST`` gets the same weights, head map, tokenizer and recipe with ``sharpness`` set in its
@@ -8,7 +9,9 @@ operator record, so every rfkit command (``rfkit eval needles``, ``rfkit eval co
 bench speed``) and transformers without rfkit (the folder's code is written again) read it with
 the state's weight ``g e^{-tau m}`` (:mod:`rfkit.models.hybrid`). The sharpness is not a learned
 weight: a refit at the new value can adapt the rest of the model to it; this measures what it
-does to a model trained at another.
+does to a model trained at another. ``--close-states`` sets the gates of the listed decoder
+layers' hybrid blocks to 0 (their window alone, as ``rfkit eval context``'s "state off" row does
+for every layer at once): what one layer's state does to a model, measured by every command.
 
 Bad input (a missing folder, another operator, a sharpness below 1, an existing ``DST``) gets one
 line naming the field and exit code 2, before the model loads. ``DST`` is written beside itself
@@ -25,8 +28,9 @@ from pathlib import Path
 HYBRID = "rfkit.operators.HybridOperator"
 
 
-def check(src: Path, dst: Path, sharpness: float) -> dict:
-    """The source's operator record with the new sharpness; raises ValueError naming the field."""
+def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = ()) -> dict:
+    """The source's operator record with the new sharpness (None: the source's); raises
+    ValueError naming the field (a layer in ``close`` that replaces no head too)."""
     from rfkit.errors import RFKitError
     from rfkit.models.operators import HybridOperator
 
@@ -38,6 +42,13 @@ def check(src: Path, dst: Path, sharpness: float) -> dict:
         raise ValueError(f"SRC: the operator is {record.get('class_path')!r}; only {HYBRID} has a sharpness")
     if dst.exists():
         raise ValueError(f"DST: '{dst}' exists; give a new folder")
+    selected = json.loads((src / "head_map.json").read_text()).get("selected") or []
+    stateful = [i for i, heads in enumerate(selected) if heads]
+    missing = sorted(set(close) - set(stateful))
+    if missing:
+        raise ValueError(f"--close-states: layer {missing[0]} replaces no head, so it has no state; allowed: {', '.join(map(str, stateful))}")
+    if sharpness is None:
+        return record
     try:
         operator = HybridOperator(**{**record.get("init_args", {}), "sharpness": sharpness})
     except RFKitError as exc:
@@ -45,26 +56,38 @@ def check(src: Path, dst: Path, sharpness: float) -> dict:
     return operator.to_dict()
 
 
-def sharpen(src: Path, dst: Path, sharpness: float) -> Path:
+def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = ()) -> Path:
     """Write ``DST`` (see the module docstring); returns it."""
-    record = check(src, dst, sharpness)
+    record = check(src, dst, sharpness, close)
+    import torch
+
     from rfkit.config.loading import load_model
     from rfkit.conversion.convert import save_converted
     from rfkit.conversion.headmap import HeadMap
     from rfkit.models.hybrid import HybridWindowAttention
+    from rfkit.models.modeling import decoder_layers
 
     loaded = load_model(str(src))
     model = loaded.model
     blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
+    layers = decoder_layers(model)
     for block in blocks:
-        block.sharpness = float(sharpness)
+        if sharpness is not None:
+            block.sharpness = float(sharpness)
+    with torch.no_grad():
+        for i in close:
+            for m in layers[i].modules():
+                if isinstance(m, HybridWindowAttention):
+                    m.gate.zero_()
     model.config.rf_operator = record
     recipe = src / "config.yaml"
     save_converted(
         model, HeadMap.load(src / "head_map.json"), dst, tokenizer=loaded.tokenizer,
         config_text=recipe.read_text() if recipe.is_file() else None,
     )  # fmt: skip
-    print(f"{dst}: {len(blocks)} hybrid blocks at sharpness {sharpness:g} (from {src})")
+    tau = record.get("init_args", {}).get("sharpness", 1.0)
+    closed = f", states closed in layers {', '.join(map(str, close))}" if close else ""
+    print(f"{dst}: {len(blocks)} hybrid blocks at sharpness {tau:g}{closed} (from {src})")
     return dst
 
 
@@ -72,10 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path, help="a saved hybrid model folder")
     parser.add_argument("dst", type=Path, help="the new folder (must not exist)")
-    parser.add_argument("--sharpness", type=float, required=True, help="tau >= 1 in the state's weight g e^{-tau m}")
+    parser.add_argument("--sharpness", type=float, default=None, help="tau >= 1 in the state's weight g e^{-tau m} (default: the source's)")
+    parser.add_argument("--close-states", default="", help="decoder layers, comma separated, whose hybrid blocks' gates are set to 0")
     args = parser.parse_args(argv)
     try:
-        sharpen(args.src, args.dst, args.sharpness)
+        try:
+            close = tuple(int(x) for x in args.close_states.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--close-states: give layer numbers, comma separated, got {args.close_states!r}") from None
+        if args.sharpness is None and not close:
+            raise ValueError("--sharpness or --close-states: give at least one (the copy would be the source)")
+        sharpen(args.src, args.dst, args.sharpness, close)
     except ValueError as exc:
         print(f"sharpen.py: {exc}", file=sys.stderr)
         return 2

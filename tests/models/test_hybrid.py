@@ -478,3 +478,20 @@ def test_sharpen_script_writes_a_copy_that_loads_at_the_new_sharpness(tmp_path, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the folder's own code (transformers without rfkit) is written again, so it reads the sharpness
     assert "self.sharpness" in (tmp_path / "sharp" / "rfkit_hybrid.py").read_text()
+    # --close-states: the listed layers' gates are 0 in the copy, the rest as they were; its
+    # logits are the model's with that layer's state ablated in memory
+    assert sharpen.main([str(src), str(tmp_path / "closed"), "--close-states", "1"]) == 0
+    with torch.no_grad():
+        for block in blocks:
+            block.sharpness = 1.0
+        with blocks[1].state_ablation():
+            want = model(ids).logits
+        closed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "closed")).eval()
+        got = closed(ids).logits
+    gates = [m.gate for m in closed.modules() if m.__class__.__name__ == "HybridWindowAttention"]
+    assert gates[0].eq(0.5).all() and gates[1].eq(0).all()
+    assert (want - before).abs().max() > 1e-4  # closing one layer's state changes the outputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sharpen.main([str(src), str(tmp_path / "nothing")]) == 2  # neither option: the copy would be the source
+    assert sharpen.main([str(src), str(tmp_path / "bad_layer"), "--close-states", "7"]) == 2
+    assert "--close-states: layer 7 replaces no head" in capsys.readouterr().err and not (tmp_path / "bad_layer").exists()
