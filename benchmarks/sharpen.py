@@ -13,8 +13,9 @@ does to a model trained at another. ``--close-states`` sets the gates of the lis
 layers' hybrid blocks to 0 (their window alone, as ``rfkit eval context``'s "state off" row does
 for every layer at once): what one layer's state does to a model, measured by every command.
 
-Bad input (a missing folder, another operator, a sharpness below 1, an existing ``DST``) gets one
-line naming the field and exit code 2, before the model loads. ``DST`` is written beside itself
+Bad input (a missing folder, another operator, a sharpness below 1, an existing ``DST``, a
+``--close-states`` layer that replaces no head, neither option) gets one line naming the field and
+exit code 2, before the model loads. ``DST`` is written beside itself
 and renamed into place when complete.
 """
 
