@@ -286,3 +286,25 @@ def sweep_overrides(model_dir, corpus):
         "--data.val_blocks", "4",
         "--data.split", "[0.1, 0.1]",
     ]  # fmt: skip
+
+
+def one_state_open(converted, dest: Path) -> tuple[str, list[str]]:
+    """A copy of the converted model folder ``converted`` at ``dest`` with the gates of its first
+    converted layer open (1, old tokens weighing e^5 times their softmax share) and every other
+    layer's closed, so only that layer's state counts; ``(its gate's name, every gate's name)``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(converted, dest)
+    weights = next(dest.glob("*.safetensors"))
+    tensors = load_file(weights)
+    gates = sorted(k for k in tensors if k.endswith("mixer.gate"))
+    assert len(gates) >= 1
+    first = gates[0]
+    for name in gates:
+        tensors[name] = torch.full_like(tensors[name], 1.0 if name == first else 0.0)
+    scale = first.replace("mixer.gate", "mixer.log_scale")
+    tensors[scale] = torch.full_like(tensors[scale], 5.0)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return first, gates

@@ -4,13 +4,10 @@ state, on the tiny converted model."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from helpers import load_script
+from helpers import load_script, one_state_open
 
 
 @pytest.mark.slow
@@ -21,17 +18,7 @@ def test_each_layers_state_alone_off_moves_only_its_own_margin(converted_dir, tm
 
     script = load_script("benchmarks/needle_margins.py")
     model = tmp_path / "model"
-    shutil.copytree(converted_dir, model)
-    # open the gates of the first converted layer only (closed elsewhere): only its state counts
-    weights = next(model.glob("*.safetensors"))
-    tensors = load_file(weights)
-    gates = sorted(k for k in tensors if k.endswith("mixer.gate"))
-    first = gates[0]
-    for name in gates:
-        tensors[name] = torch.full_like(tensors[name], 1.0 if name == first else 0.0)
-    scale = first.replace("mixer.gate", "mixer.log_scale")
-    tensors[scale] = torch.full_like(tensors[scale], 5.0)  # old tokens weigh e^5 times their softmax share
-    save_file(tensors, weights, metadata={"format": "pt"})
+    first, gates = one_state_open(converted_dir, model)  # only the first converted layer's state counts
     out = tmp_path / "report"
     args = [str(model), "--shape", "passkey", "--lengths", "160", "--depths", "0,1", "--trials", "1", "--output", str(out)]
     assert script.main(args) == 0

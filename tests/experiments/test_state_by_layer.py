@@ -6,30 +6,16 @@ import json
 import math
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from helpers import load_script
+from helpers import load_script, one_state_open
 
 
 @pytest.mark.slow
 def test_each_layers_state_alone_off_and_the_split_losses(converted_dir, tiny_corpus, tmp_path):
-    import shutil
 
     script = load_script("benchmarks/state_by_layer.py")
     model = tmp_path / "model"
-    shutil.copytree(converted_dir, model)
-    # open the gates of the first converted layer only (closed elsewhere): only its state counts
-    weights = next(model.glob("*.safetensors"))
-    tensors = load_file(weights)
-    gates = sorted(k for k in tensors if k.endswith("mixer.gate"))
-    assert len(gates) >= 1
-    first = gates[0]
-    for name in gates:
-        tensors[name] = torch.full_like(tensors[name], 1.0 if name == first else 0.0)
-    scale = first.replace("mixer.gate", "mixer.log_scale")
-    tensors[scale] = torch.full_like(tensors[scale], 5.0)  # old tokens weigh e^5 times their softmax share
-    save_file(tensors, weights, metadata={"format": "pt"})
+    first, gates = one_state_open(converted_dir, model)  # only the first converted layer's state counts
     out = tmp_path / "report"
     assert script.main([str(model), "--source", str(tiny_corpus), "--length", "64", "--split", "32", "--output", str(out)]) == 0
     result = json.loads((out / "state_by_layer.json").read_text())
