@@ -478,6 +478,7 @@ def convert_attention(model, selected: list[list[int]], operator: ReplacementOpe
     teacher of :mod:`rfkit.training.teacher` puts them back to run the original model).
     """
     layers = decoder_layers(model)
+    operator.check_layers([i for i, heads in enumerate(selected) if heads])
     originals = {}
     for layer_idx, heads in enumerate(selected):
         if not heads:

@@ -57,6 +57,11 @@ class ReplacementOperator(ABC):
     def build(self, d_in: int, d_out: int, layer_idx: int) -> nn.Module:
         """Implemented by every subclass."""
 
+    def check_layers(self, replaced_layers: list[int]) -> None:
+        """Refuse (:class:`OperatorError`, naming the field) a setting that names decoder layers
+        other than ``replaced_layers``, the layers that replace at least one head. Called once
+        per conversion, before any layer is built; the default accepts every selection."""
+
     def init_from_attention(self, mixer: nn.Module, attention: nn.Module, layer) -> None:
         """Initialise ``mixer`` from the original ``attention`` module it replaces (``init:
         from_attention``). ``layer`` is the :class:`~rfkit.models.modeling.RecurFormerAttention` that holds
@@ -300,15 +305,26 @@ class HybridOperator(SinkRecentOperator):
             softmax's own scale; above 1 a strong match in the window (the sentence a question
             asks about) leaves the state less weight. Not learned: set on a saved model it changes
             the outputs without training (``benchmarks/sharpen.py``).
+        stateless_layers: Decoder layers whose replaced heads get no state: they keep the exact
+            sink + window alone (the :class:`SinkRecentOperator` block, nothing to train), the
+            other layers the hybrid. For a layer whose state turns the model away from what the
+            window quotes (docs/comparing.md, "A sharper state"). Each must be a layer that
+            replaces heads. Empty (the default): every layer has its state.
     """
 
     trainable = True
 
     def __init__(
         self, sink: int = 4, window: int = 56, feature_dim: int = 16, window_dropout: float = 0.5,
-        decay_horizon: float | None = None, sharpness: float = 1.0,
+        decay_horizon: float | None = None, sharpness: float = 1.0, stateless_layers: list[int] | None = None,
     ):  # fmt: skip
         super().__init__(sink=sink, window=window)
+        if stateless_layers is None:
+            stateless_layers = []
+        if not isinstance(stateless_layers, (list, tuple)):
+            raise OperatorError(f"model.operator.stateless_layers: {stateless_layers!r} is not allowed; must be a list of decoder layer numbers >= 0")
+        layers = [_positive_int("stateless_layers", i, minimum=0) for i in stateless_layers]
+        self.stateless_layers = sorted(set(layers))
         even = "{field}: {value!r} is not allowed; must be an even integer >= {minimum}"
         self.feature_dim = _positive_int("feature_dim", feature_dim, minimum=2, multiple_of=2, message=even)
         self.window_dropout = float(fraction("model.operator.window_dropout", window_dropout, error=OperatorError))
@@ -322,7 +338,22 @@ class HybridOperator(SinkRecentOperator):
             args["decay_horizon"] = self.decay_horizon
         if self.sharpness != 1.0:  # likewise
             args["sharpness"] = self.sharpness
+        if self.stateless_layers:  # likewise
+            args["stateless_layers"] = list(self.stateless_layers)
         return args
+
+    def check_layers(self, replaced_layers: list[int]) -> None:
+        missing = sorted(set(self.stateless_layers) - set(replaced_layers))
+        if missing:
+            allowed = ", ".join(map(str, replaced_layers)) or "none (no layer replaces a head)"
+            raise OperatorError(
+                f"model.operator.stateless_layers: layer {missing[0]} replaces no head, so it has no state to leave out; allowed: {allowed}"
+            )
+
+    def build(self, d_in: int, d_out: int, layer_idx: int, kv_for_query=None, head_dim=None, scaling=None) -> nn.Module:
+        if layer_idx in self.stateless_layers:  # the training-free block: sink + window, no state
+            return SinkRecentOperator(self.sink, self.window).build(d_in, d_out, layer_idx, kv_for_query, head_dim, scaling)
+        return super().build(d_in, d_out, layer_idx, kv_for_query, head_dim, scaling)
 
     def make_block(self, kv_for_query: list[int], head_dim: int, scaling: float | None) -> nn.Module:
         from rfkit.models.hybrid import HybridWindowAttention

@@ -334,6 +334,10 @@ def train_blocks(
     MSE on the short batch and on the long one (each relative to its own target's power)."""
     from tqdm.auto import tqdm
 
+    # a block without weights (a hybrid's stateless layer: sink + window alone) has nothing to learn
+    mixers = {i: m for i, m in mixers.items() if next(m.parameters(), None) is not None}
+    if not mixers:
+        return []
     params = [p for m in mixers.values() for p in m.parameters()]
     flags = [p.requires_grad for p in params]
     for p in params:

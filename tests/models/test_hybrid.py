@@ -283,7 +283,7 @@ def converted(family="llama", operator=None, selected=([0, 1], [2, 3])):
     with torch.no_grad():  # open every gate: the tests below must see the state at work
         for layer in model.model.layers:
             mixer = getattr(layer.self_attn, "mixer", None)
-            if mixer is not None:
+            if isinstance(mixer, HybridWindowAttention):  # a stateless layer's block has no gate
                 mixer.gate.fill_(0.5)
                 mixer.log_scale.fill_(1.0)
     return model
@@ -308,6 +308,47 @@ def test_closed_gates_convert_to_the_sink_recent_model():
     plain = to_recurformer(copy.deepcopy(model), [[0, 1], [2, 3]], SinkRecentOperator(sink=2, window=5)).eval()
     with torch.no_grad():
         torch.testing.assert_close(hybrid(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_stateless_layers_keep_the_sink_and_window_alone():
+    """A stateless layer's replaced heads get the training-free block (no weights, no state): the
+    model reads as the hybrid with that layer's state switched off, decodes step by step as it
+    runs whole, holds less state, and saves and reloads with the setting."""
+    full = converted()
+    operator = HybridOperator(sink=2, window=5, feature_dim=4, stateless_layers=[1])
+    model = converted(operator=operator)
+    mixers = [layer.self_attn.mixer for layer in model.model.layers]
+    assert isinstance(mixers[0], HybridWindowAttention) and type(mixers[1]) is WindowAttention
+    assert next(mixers[1].parameters(), None) is None
+    model.load_state_dict(full.state_dict(), strict=False)  # layer 0's state as the full hybrid's
+    ids = random_ids(2, 30)
+    with torch.no_grad():
+        with full.model.layers[1].self_attn.mixer.state_ablation():
+            want = full(ids).logits
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert (full(ids).logits - want).abs().max() > 1e-4  # layer 1's state did something
+    whole, steps, cache = prefill_then_steps(model, random_ids(1, 24))
+    torch.testing.assert_close(steps, whole, rtol=1e-4, atol=1e-4)
+    _, _, full_cache = prefill_then_steps(full, random_ids(1, 24))
+    assert cache_bytes(cache)["state"] < cache_bytes(full_cache)["state"]
+    assert operator.to_dict()["init_args"]["stateless_layers"] == [1]
+    assert "stateless_layers" not in HybridOperator().init_args()  # absent when empty: old configs read alike
+    rebuilt = ReplacementOperator.from_dict(model.config.rf_operator)
+    assert rebuilt.stateless_layers == [1]
+
+
+def test_a_stateless_layer_must_replace_heads_and_transfer_trains_the_others():
+    from rfkit.training.transfer import TransferConfig, transfer
+
+    with pytest.raises(OperatorError, match="model.operator.stateless_layers: layer 2 replaces no head.*allowed: 0, 1"):
+        to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], HybridOperator(stateless_layers=[2]))
+    with pytest.raises(OperatorError, match="allowed: 1$"):
+        to_recurformer(tiny_model("llama"), [[], [2, 3]], HybridOperator(stateless_layers=[0]))
+    operator = HybridOperator(sink=1, window=4, feature_dim=4, stateless_layers=[0])
+    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], operator)
+    report = transfer(model, random_ids(8, 32, seed=3), TransferConfig(steps=5, lr=1e-2, samples=8, batch_size=4), progress=False)
+    assert set(report["calibration"]) == {"1"}  # the stateless layer calibrates and trains nothing
+    assert report["mse_after"]["0"] == pytest.approx(report["mse_before"]["0"])
 
 
 def test_generate_with_left_padding_matches_unpadded_generation():
@@ -359,6 +400,9 @@ def test_transfer_fits_the_state_and_never_ends_worse_than_it_started():
         (lambda: HybridOperator(sharpness=0.5), "model.operator.sharpness"),
         (lambda: HybridOperator(sharpness=float("nan")), "model.operator.sharpness"),
         (lambda: HybridOperator(sharpness="sharp"), "model.operator.sharpness"),
+        (lambda: HybridOperator(stateless_layers=[-1]), "model.operator.stateless_layers"),
+        (lambda: HybridOperator(stateless_layers=[1.5]), "model.operator.stateless_layers"),
+        (lambda: HybridOperator(stateless_layers=5), "model.operator.stateless_layers"),
     ],
 )
 def test_bad_hybrid_settings_name_the_field(make, field):
