@@ -21,7 +21,7 @@ VARIANTS = {
     "qwen2_05b_b05_hybrid": ("qwen2_05b_b05", "qwen2"),
     "qwen2_7b_b09_hybrid": ("qwen2_7b_b09", "qwen2"),
 }
-OPERATOR_ARGS = dict(sink=4, window=56, feature_dim=16, window_dropout=0.5, decay_horizon=128, sharpness=1.0)
+OPERATOR_ARGS = dict(sink=4, window=56, feature_dim=16, window_dropout=0.5, decay_horizon=128, sharpness=1.0, stateless_layers=None)
 # what a hybrid variant may change: the operator and how it trains (and its run directory)
 VARIED = (
     "model.operator", "model.transfer", "model.freeze", "model.freeze_schedule", "model.lora",

@@ -309,7 +309,7 @@ class HybridOperator(SinkRecentOperator):
             sink + window alone (the :class:`SinkRecentOperator` block, nothing to train), the
             other layers the hybrid. For a layer whose state turns the model away from what the
             window quotes (docs/comparing.md, "A sharper state"). Each must be a layer that
-            replaces heads. Empty (the default): every layer has its state.
+            replaces heads. None or empty (the default): every layer has its state.
     """
 
     trainable = True
