@@ -28,17 +28,68 @@ def pytest_configure(config):
         os.environ["RFKIT_KERNELS_DIR"] = str(Path(tempfile.gettempdir()) / f"rfkit-test-kernels-{getpass.getuser()}")
 
 
+# The test files that take longest (the slowest tests of `make test` on the 2-core CI machine,
+# summed per file), longest first. `make test` hands whole files to its workers in collection
+# order (pytest-xdist --dist loadfile); run last, one of these keeps one worker busy for a minute
+# or two while the other has finished. Started first, the many short files fill in around them.
+# The "test files by time" table at the end of a run gives the current figures.
+LONGEST_FIRST = (
+    "tests/test_integration.py",
+    "tests/training/test_ddp.py",
+    "tests/test_sharing.py",
+    "tests/experiments/test_mqar.py",
+    "tests/training/test_faults.py",
+    "tests/test_plugin.py",
+    "tests/cli/test_bad_inputs.py",
+    "tests/evals/test_lm_eval.py",
+    "tests/experiments/test_bench.py",
+    "tests/test_packaging.py",
+)
+
+
+def _file_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Deselect (not skip) every test marked ``cuda`` where no GPU is, unless ``RFKIT_CUDA_TWIN=1``
+    """Put the files of :data:`LONGEST_FIRST` first (the order of the tests within a file kept).
+    Deselect (not skip) every test marked ``cuda`` where no GPU is, unless ``RFKIT_CUDA_TWIN=1``
     asks for them: they then run on the CPU as twins of the GPU check (tests/cuda/conftest.py)."""
     import os
 
+    items.sort(key=_file_rank)  # stable: every other file keeps its place
     if os.environ.get("RFKIT_CUDA_TWIN") == "1" or torch.cuda.is_available():
         return
     deselected = [item for item in items if item.get_closest_marker("cuda") is not None]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+
+
+_SECONDS = {"file": {}, "worker": {}}
+
+
+def pytest_runtest_logreport(report):
+    """Add each phase's duration to its file's and its worker's total (under pytest-xdist the
+    controller sees every worker's reports, each with the worker it came from)."""
+    path = report.nodeid.split("::")[0]
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    for kind, key in (("file", path), ("worker", worker)):
+        _SECONDS[kind][key] = _SECONDS[kind].get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A table of the slowest test files and each worker's busy time: what a change to
+    :data:`LONGEST_FIRST`, or a new slow test, has to go by."""
+    files, workers = _SECONDS["file"], _SECONDS["worker"]
+    if not files:
+        return
+    terminalreporter.write_sep("=", "test files by time")
+    for path, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    busy = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in sorted(workers.items()))
+    terminalreporter.write_line(f"busy time per worker: {busy}")
 
 
 @pytest.fixture
