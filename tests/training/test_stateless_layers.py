@@ -1,7 +1,7 @@
 """``model.operator.init_args.stateless_layers`` through the CLI: the default recipe's code paths
 (transfer with long blocks) at beta 0.75 convert the tiny model with one layer left without a
-state, and the saved folder keeps that; a layer that replaces no head is one line,
-exit 2, and nothing written."""
+state, and the saved folder keeps that; a layer that replaces no head is one line, exit 2, and
+nothing written."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ BETA = ["--model.policy.init_args.beta", "0.75"]  # three of the four KV groups:
 @pytest.mark.slow
 def test_a_stateless_layer_converts_and_is_saved(tiny_model_dir, tiny_corpus, tmp_path, capsys, data_cache):
     out = tmp_path / "out"
-    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs", ), "--output", str(out), *BETA]
+    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs"), "--output", str(out), *BETA]
     code, _, err = run_cli([*args, "--model.operator.init_args.stateless_layers", "[1]"], capsys)
     assert code == 0, err[-3000:]
     config = json.loads((out / "config.json").read_text())
@@ -30,7 +30,7 @@ def test_a_stateless_layer_converts_and_is_saved(tiny_model_dir, tiny_corpus, tm
     assert isinstance(mixers[0], HybridWindowAttention) and type(mixers[1]) is WindowAttention
 
     bad = tmp_path / "bad"
-    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs2", ), "--output", str(bad), *BETA]
+    args = ["convert", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs2"), "--output", str(bad), *BETA]
     code, _, err = run_cli([*args, "--model.operator.init_args.stateless_layers", "[5]"], capsys)
     lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
     assert code == 2 and len(lines) == 1, err[-2000:]
