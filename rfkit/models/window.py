@@ -204,6 +204,9 @@ class WindowAttention(ReplacementMixer):
     def attend(self, q, k, v, *state, return_states: bool = False, mask: torch.Tensor | None = None):
         """As :meth:`forward`, from the rotated queries (B, Hq, L, hd), keys and values
         (B, Hkv, L, hd) that the converted layer has already split by head."""
+        if self.training and not state and mask is None and not return_states and self._train_kernel_ready(q):
+            y = cpu_kernels.window_train_cpu(self, q, k, v, self.train_window())
+            return y if y.dtype == q.dtype else y.to(q.dtype)
         return self._in_compute_dtype(self._attend_paths, q, k, v, state, return_states, mask)
 
     def _in_compute_dtype(self, fn, q, k, v, state, return_states: bool, *args):
@@ -548,6 +551,18 @@ class WindowAttention(ReplacementMixer):
         if state[0].dtype != q.dtype or state[1].dtype != q.dtype or state[2].dtype != torch.long:
             return False
         if any(t.dtype != torch.float32 for t in state[3:]) or not all(t.is_contiguous() for t in state):
+            return False
+        return cpu_kernels.available()
+
+    def _train_kernel_ready(self, q: torch.Tensor) -> bool:
+        """The compiled training forward and backward applies (:func:`rfkit.ops.cpu_kernels.window_train_cpu`):
+        a training-mode forward of a whole block from an empty state, without padding, through the
+        tiled path (``fast``), on CPU, computed in float32 (bf16 activations too: their compute
+        dtype, :mod:`rfkit.models.precision`), weights float32, kernel built. It asks nothing of
+        the grad flags, so that an activation checkpoint's recompute takes the path its forward took."""
+        if not (self.use_kernel and self.fast) or q.device.type != "cpu" or compute_dtype(q.dtype) != torch.float32:
+            return False
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
             return False
         return cpu_kernels.available()
 

@@ -29,6 +29,11 @@ bf16 loaded exactly, float32 arithmetic and sums, the output rounded as torch ro
 * The Mamba training scan (:func:`selective_scan_cpu_train`) is the other exception: an
   autograd function whose forward keeps the state every :data:`TRAIN_CHUNK` tokens and whose
   backward (in C) recomputes each chunk's states from it and runs the recurrence backwards.
+* The window mixers' training forward (:func:`window_train_cpu`) is the third: an autograd
+  function over one whole block from an empty state (every training and attention-transfer
+  forward), ``kernels/hybrid_train_cpu.c``: the forward keeps each query's highest window score
+  and normaliser, the backward recomputes the window's probabilities and the state from them and
+  runs the state's adjoint backwards, so it keeps no ``L x window`` tensor and no per-token state.
 * Everything else is inference only (no autograd); the block uses it when no gradient is
   needed. The scans and the window prefill compute in float32 (a bf16 model's mixers reach them in their float32
   compute dtype, :mod:`rfkit.models.precision`); the window step also takes bf16 (above).
@@ -57,8 +62,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c", "loss_cpu.c")]
-_HEADERS = [Path(__file__).with_name("kernels") / "bf16.h"]  # part of the build key, not compiled alone
+_SOURCES = [Path(__file__).with_name("kernels") / name for name in ("mamba_cpu.c", "window_cpu.c", "hybrid_train_cpu.c", "loss_cpu.c")]
+_HEADERS = [Path(__file__).with_name("kernels") / name for name in ("bf16.h", "phi.h")]  # part of the build key, not compiled alone
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC"]
 # Tried in this order: with OpenMP (the window prefill's jobs then run in the process's OpenMP
 # pool, which is PyTorch's own where PyTorch uses GNU OpenMP, as its Linux wheels do), then
@@ -181,6 +186,10 @@ def _open(variant: list[str]):
     lib.rf_window_prefill_f32.argtypes = prefill + [ctypes.c_int64] * 4
     lib.rf_window_prefill_jobs_f32.restype = ctypes.c_int
     lib.rf_window_prefill_jobs_f32.argtypes = prefill + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.rf_window_train_fwd_f32.restype = ctypes.c_int
+    lib.rf_window_train_fwd_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2
+    lib.rf_window_train_bwd_f32.restype = ctypes.c_int
+    lib.rf_window_train_bwd_f32.argtypes = [ctypes.c_void_p] * 17 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2
     lib.rf_rowwise_loss.restype = ctypes.c_int
     lib.rf_rowwise_loss.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
         ctypes.c_void_p
@@ -561,3 +570,71 @@ def window_prefill_cpu(block, q: torch.Tensor, ctx: dict, state, seen: int):
         return out, ()
     # the last piece's state is the chunk's (a copy of its own, so no other piece's stays alive)
     return out, ((S[-1].clone(), z[-1].clone()) if pieces else (S[0], z[0]))
+
+
+class _WindowTrain(torch.autograd.Function):
+    """A window mixer's forward over one block from an empty state, and its backward, in C
+    (``kernels/hybrid_train_cpu.c``). ``fmap``, ``g`` and ``log_gamma`` are None for plain window
+    attention (no state); ``log_gamma`` is None for a hybrid without decay."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fmap, g, log_gamma, block, window: int):
+        lib = _scan_library()
+        f32 = torch.float32
+        B, hq, L, hd = q.shape
+        hkv = k.shape[1]
+        ctx.dtypes = tuple(t.dtype for t in (q, k, v))
+        q, k, v = (t.detach().to(f32).contiguous() for t in (q, k, v))
+        hybrid = fmap is not None
+        fm = fmap.detach().to(f32).contiguous() if hybrid else None
+        gw = g.detach().to(f32).contiguous() if hybrid else None
+        decay = log_gamma.detach().to(f32).exp().contiguous() if log_gamma is not None else None
+        kvq = block.kernel_index()
+        out = torch.empty(B, L, hq, hd, dtype=f32)
+        m, D = torch.empty(B, hq, L, dtype=f32), torch.empty(B, hq, L, dtype=f32)
+        consts = [B, hq, hkv, hd, L, block.sink, window, block.feature_dim if hybrid else 0]
+        scalars = [block.scaling, getattr(block, "sharpness", 1.0)]
+        ctx.call = consts + scalars
+        ctx.hybrid, ctx.decayed = hybrid, log_gamma is not None
+        if lib.rf_window_train_fwd_f32(*[_ptr(t) for t in (q, k, v, fm, gw, decay, kvq, out, m, D)], *ctx.call):
+            raise MemoryError("rf_window_train_fwd_f32 could not allocate its work buffer")
+        ctx.save_for_backward(q, k, v, fm, gw, decay, kvq, out, m, D)
+        return out.view(B, L, hq * hd)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        lib = _load()
+        q, k, v, fm, gw, decay, kvq, out, m, D = ctx.saved_tensors
+        B, hq, L, hd = q.shape
+        hkv = k.shape[1]
+        f32 = torch.float32
+        dy = dy.to(f32).contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dfm = torch.zeros(B, *fm.shape, dtype=f32) if ctx.hybrid else None
+        dg = torch.zeros(B, hq, dtype=f32) if ctx.hybrid else None
+        dlg = torch.zeros(B, hkv, dtype=f32) if ctx.decayed else None
+        tensors = (q, k, v, fm, gw, decay, kvq, out, m, D, dy, dq, dk, dv, dfm, dg, dlg)
+        if lib.rf_window_train_bwd_f32(*[_ptr(t) for t in tensors], *ctx.call):
+            raise MemoryError("rf_window_train_bwd_f32 could not allocate its work buffer")
+        dq, dk, dv = (grad.to(dtype) for grad, dtype in zip((dq, dk, dv), ctx.dtypes))
+        return (
+            dq, dk, dv,
+            dfm.sum(0) if ctx.hybrid else None,
+            dg.sum(0) if ctx.hybrid else None,
+            dlg.sum(0) if ctx.decayed else None,
+            None, None,
+        )  # fmt: skip
+
+
+def window_train_cpu(block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """A window mixer's (plain or hybrid) training forward over one block that starts from an
+    empty state: ``q`` (B, Hq, L, hd), ``k``, ``v`` (B, Hkv, L, hd), any float dtype (computed in
+    float32, gradients returned in their dtypes) -> ``(B, L, Hq * hd)`` float32, differentiable
+    with respect to the inputs and the block's weights (the feature map, the gate and scale
+    through ``g``, the decay horizon through ``log gamma``) at the drawn ``window``. Raises
+    RuntimeError when the kernel is not available."""
+    if hasattr(block, "feature_map"):
+        log_gamma = block.log_decay()
+        return _WindowTrain.apply(q, k, v, block.feature_map, block.old_weight(), log_gamma, block, window)
+    return _WindowTrain.apply(q, k, v, None, None, None, block, window)
