@@ -189,7 +189,7 @@ def _open(variant: list[str]):
     lib.rf_window_train_fwd_f32.restype = ctypes.c_int
     lib.rf_window_train_fwd_f32.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2
     lib.rf_window_train_bwd_f32.restype = ctypes.c_int
-    lib.rf_window_train_bwd_f32.argtypes = [ctypes.c_void_p] * 17 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2
+    lib.rf_window_train_bwd_f32.argtypes = [ctypes.c_void_p] * 18 + [ctypes.c_int64] * 8 + [ctypes.c_float] * 2
     lib.rf_rowwise_loss.restype = ctypes.c_int
     lib.rf_rowwise_loss.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
         ctypes.c_void_p
@@ -611,16 +611,24 @@ class _WindowTrain(torch.autograd.Function):
         f32 = torch.float32
         dy = dy.to(f32).contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dfm = torch.zeros(B, *fm.shape, dtype=f32) if ctx.hybrid else None
+        half = fm.shape[-1] if ctx.hybrid else 0
+        dpq = torch.zeros(B, hq, L, half, dtype=f32) if ctx.hybrid else None  # d(x W) of every query
+        dpk = torch.zeros(B, hkv, L, half, dtype=f32) if ctx.hybrid else None  # and of every folded key
         dg = torch.zeros(B, hq, dtype=f32) if ctx.hybrid else None
         dlg = torch.zeros(B, hkv, dtype=f32) if ctx.decayed else None
-        tensors = (q, k, v, fm, gw, decay, kvq, out, m, D, dy, dq, dk, dv, dfm, dg, dlg)
+        tensors = (q, k, v, fm, gw, decay, kvq, out, m, D, dy, dq, dk, dv, dpq, dpk, dg, dlg)
         if lib.rf_window_train_bwd_f32(*[_ptr(t) for t in tensors], *ctx.call):
             raise MemoryError("rf_window_train_bwd_f32 could not allocate its work buffer")
+        dfm = None
+        if ctx.hybrid:  # the feature map's products, as matrix products: dx += W dp, dW += x^T dp
+            per_query = fm.index_select(0, kvq)  # (Hq, hd, half)
+            dq += torch.einsum("bhlj,hdj->bhld", dpq, per_query)
+            dk += torch.einsum("bklj,kdj->bkld", dpk, fm)
+            dfm = torch.einsum("bkld,bklj->kdj", k, dpk).index_add_(0, kvq, torch.einsum("bhld,bhlj->hdj", q, dpq))
         dq, dk, dv = (grad.to(dtype) for grad, dtype in zip((dq, dk, dv), ctx.dtypes))
         return (
             dq, dk, dv,
-            dfm.sum(0) if ctx.hybrid else None,
+            dfm,
             dg.sum(0) if ctx.hybrid else None,
             dlg.sum(0) if ctx.decayed else None,
             None, None,
