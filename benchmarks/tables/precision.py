@@ -188,3 +188,52 @@ def amx() -> str:
     for name, label in (("plain", "the plain expressions"), ("rowwise_pytorch", "`rowwise_loss` in PyTorch ops"), ("rowwise", "`rowwise_loss`, compiled")):
         lines.append(f"| {label} | {rows['median_s'][name]:.2f} |")
     return "\n".join(lines)
+
+
+KERNEL = "demo_smollm2_b05_amx_train_kernel"
+
+
+@table("precision_amx_kernel")
+def amx_kernel() -> str:
+    """``make demo`` on the AMX machine before and after the window mixers' compiled training
+    kernel; the new fit's quality against the float32 fit issue 48 measures against; and the
+    mixer's forward and backward alone, kernel against its PyTorch twin."""
+    fits = {"before": load(f"{AMX}/summary.json"), "after": load(f"{KERNEL}/summary.json")}
+    reference = {"fit": load(f"{FOLDER}/demo_float32_summary.json"), "context": load("context_smollm2_b05_current/context.json")}
+    context = load(f"{KERNEL}/context.json")
+    mixer = load(f"{KERNEL}/mixer_train.json")
+    lengths = [str(n) for n in context["lengths"]]
+    span = " / ".join(f"{int(n):,}" for n in lengths)
+
+    def joined(row: dict, key: str, digits: int) -> str:
+        return " / ".join(f"{row[key][n]:.{digits}f}" for n in lengths)
+
+    lines = [
+        f"| `rfkit fit --config recipes/smollm2_b05.yaml` on {_machine(fits['after'])} | mixers in PyTorch | compiled training kernel |",
+        "|---|---:|---:|",
+        "| precision | " + " | ".join(f["precision"].split(",")[0] for f in fits.values()) + " |",
+        "| perplexity ratio, validation blocks | " + " | ".join(f"{f['ppl_ratio']:.4f}" for f in fits.values()) + " |",
+        "| fit wall time | " + " | ".join(f"{f['wall_seconds'] / 60:.1f} min" for f in fits.values()) + " |",
+    ]  # fmt: skip
+    for phase in ("transfer", "train"):
+        lines.append(f"| of which {phase} | " + " | ".join(f"{f['phases'][phase] / 60:.1f} min" for f in fits.values()) + " |")
+    after, ref = context["rows"], reference["context"]["rows"]
+    lines += [
+        "",
+        f"| quality | float32 fit ({reference['fit']['provenance']['date'][:10]}) | bf16 fit, compiled kernel |",
+        "|---|---:|---:|",
+        f"| perplexity ratio, validation blocks | {reference['fit']['ppl_ratio']:.4f} | {fits['after']['ppl_ratio']:.4f} |",
+        f"| long documents, perplexity ratio at {span} tokens | {joined(ref['converted'], 'ppl_ratio', 3)} | {joined(after['converted'], 'ppl_ratio', 3)} |",
+        f"| passkey at {span} tokens, original | {joined(ref['original'], 'passkey', 2)} | {joined(after['original'], 'passkey', 2)} |",
+        f"| passkey at {span} tokens, converted | {joined(ref['converted'], 'passkey', 2)} | {joined(after['converted'], 'passkey', 2)} |",
+        "",
+        f"| one hybrid block's forward + backward, {mixer['dtype']} activations, median of {mixer['runs']} (same machine) | PyTorch tiled path | compiled | speedup |",
+        "|---|---:|---:|---:|",
+    ]  # fmt: skip
+    for r in mixer["rows"]:
+        B, L = r["shape"]
+        lines.append(
+            f"| {r['kv_heads']} KV head{'s' if r['kv_heads'] > 1 else ''} ({r['query_heads']} query heads), {B} x {L:,} tokens "
+            f"| {r['median_ms']['pytorch']:.1f} ms | {r['median_ms']['compiled']:.1f} ms | {r['speedup']:.1f}x |"
+        )
+    return "\n".join(lines)
