@@ -22,7 +22,8 @@ def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
     assert "rfkit/recipes/smollm2_b05.yaml" in names
     assert "rfkit/config/catalog.py" in names  # `rfkit recipes` and --config NAME read rfkit.recipes from the wheel
     assert "rfkit/ops/kernels/mamba_cpu.c" in names  # the CPU kernel is compiled from the installed source
-    assert {"rfkit/ops/kernels/loss_cpu.c", "rfkit/ops/kernels/bf16.h"} <= names  # with the header it includes
+    kernels = {"rfkit/ops/kernels/loss_cpu.c", "rfkit/ops/kernels/hybrid_train_cpu.c", "rfkit/ops/kernels/bf16.h", "rfkit/ops/kernels/phi.h"}
+    assert kernels <= names  # with the headers they include
     assert not any(name.startswith("callbacks/") for name in names)
 
     site = tmp_path / "site"

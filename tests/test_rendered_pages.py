@@ -80,7 +80,7 @@ def test_a_stale_block_is_rewritten_and_a_missing_end_marker_is_an_error():
 
 
 def test_the_demo_screen_shows_rfkits_lines_and_no_lightning_summary_or_epoch_bar():
-    screen = (ROOT / "benchmarks" / "results" / "demo_smollm2_b05_screen" / "screen.txt").read_text()
+    screen = (ROOT / "benchmarks" / "results" / "demo_smollm2_b05_amx_train_kernel" / "screen.txt").read_text()
     assert "rfkit fit: done in" in screen and "rfkit: train" in screen and "rfkit: save" in screen
     for noise in ("Total FLOPs", "| Name", "Epoch 0", "Trainable params"):
         assert noise not in screen, f"the demo screen shows Lightning's {noise!r}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tables import RESULTS, load, table
 
-FOLDER = "demo_smollm2_b05_screen"
+FOLDER = "demo_smollm2_b05_amx_train_kernel"
 
 
 @table("demo_screen")

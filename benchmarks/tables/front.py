@@ -7,7 +7,7 @@ from __future__ import annotations
 from . import load, table
 from .trained import short
 
-DEMO = "demo_smollm2_b05_screen/summary.json"
+DEMO = "demo_smollm2_b05_amx_train_kernel/summary.json"
 # the make demo fit (the same model as DEMO) and, on the same blocks and head map, the training-free rows
 # (make demo trains in bf16 on a CPU that computes it natively: every file here is that bf16 model,
 # the baseline sized to the same bytes in bf16, sink 4 + window 72)
