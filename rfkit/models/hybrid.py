@@ -245,6 +245,9 @@ class HybridWindowAttention(WindowAttention):
         fmap = self.feature_map
         return fmap.dtype == torch.float32 and fmap.device.type == "cpu" and fmap.is_contiguous() and super()._kernel_ready(q, state)
 
+    def _train_kernel_computes_me(self) -> bool:
+        return type(self) is HybridWindowAttention  # the kernel's formula: window + this state
+
     def _maps(self, dtype) -> torch.Tensor:
         return self.feature_map if self.feature_map.dtype == dtype else self.feature_map.to(dtype)
 

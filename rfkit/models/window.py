@@ -560,11 +560,19 @@ class WindowAttention(ReplacementMixer):
         tiled path (``fast``), on CPU, computed in float32 (bf16 activations too: their compute
         dtype, :mod:`rfkit.models.precision`), weights float32, kernel built. It asks nothing of
         the grad flags, so that an activation checkpoint's recompute takes the path its forward took."""
-        if not (self.use_kernel and self.fast) or q.device.type != "cpu" or compute_dtype(q.dtype) != torch.float32:
+        if not (self.use_kernel and self.fast and self._train_kernel_computes_me()):
+            return False
+        if q.device.type != "cpu" or compute_dtype(q.dtype) != torch.float32:
             return False
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
             return False
         return cpu_kernels.available()
+
+    def _train_kernel_computes_me(self) -> bool:
+        """Whether the training kernel's formula is this block's: plain window attention here (the
+        hybrid says so for itself); a subclass that adds to the window (HybridMambaAttention's
+        Mamba state) is not, unless it says so."""
+        return type(self) is WindowAttention
 
     def kernel_index(self) -> torch.Tensor:
         """``kv_for_query`` as a CPU int64 tensor (the compiled step reads it)."""

@@ -135,3 +135,14 @@ def test_disabled_kernel_falls_back_to_the_pytorch_path(monkeypatch):
     without = run(b, q, k, v, None)
     for name in without:
         torch.testing.assert_close(with_kernel[name], without[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_subclass_that_adds_to_the_window_keeps_its_own_path(kernel_calls):
+    """HybridMambaAttention is a window block plus a Mamba state the kernel does not compute: its
+    training forwards never reach the kernel (they would lose the state)."""
+    from rfkit.models.hybrid_mamba import HybridMambaAttention
+
+    b = HybridMambaAttention(GROUPED, 8, window=5, sink=2, state_dim=4).train()
+    q, k, v = inputs(GROUPED, 8, 20)
+    b.attend(q, k, v)
+    assert kernel_calls == []
