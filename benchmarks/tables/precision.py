@@ -201,6 +201,7 @@ def amx_kernel() -> str:
     fits = {"before": load(f"{AMX}/summary.json"), "after": load(f"{KERNEL}/summary.json")}
     reference = {"fit": load(f"{FOLDER}/demo_float32_summary.json"), "context": load("context_smollm2_b05_current/context.json")}
     context = load(f"{KERNEL}/context.json")
+    twin = {"fit": load(f"{KERNEL}/summary_pytorch_path.json"), "context": load(f"{KERNEL}/context_pytorch_path.json")}
     mixer = load(f"{KERNEL}/mixer_train.json")
     lengths = [str(n) for n in context["lengths"]]
     span = " / ".join(f"{int(n):,}" for n in lengths)
@@ -217,15 +218,15 @@ def amx_kernel() -> str:
     ]  # fmt: skip
     for phase in ("transfer", "train"):
         lines.append(f"| of which {phase} | " + " | ".join(f"{f['phases'][phase] / 60:.1f} min" for f in fits.values()) + " |")
-    after, ref = context["rows"], reference["context"]["rows"]
+    after, ref, pair = context["rows"], reference["context"]["rows"], twin["context"]["rows"]
     lines += [
         "",
-        f"| quality | float32 fit ({reference['fit']['provenance']['date'][:10]}) | bf16 fit, compiled kernel |",
-        "|---|---:|---:|",
-        f"| perplexity ratio, validation blocks | {reference['fit']['ppl_ratio']:.4f} | {fits['after']['ppl_ratio']:.4f} |",
-        f"| long documents, perplexity ratio at {span} tokens | {joined(ref['converted'], 'ppl_ratio', 3)} | {joined(after['converted'], 'ppl_ratio', 3)} |",
-        f"| passkey at {span} tokens, original | {joined(ref['original'], 'passkey', 2)} | {joined(after['original'], 'passkey', 2)} |",
-        f"| passkey at {span} tokens, converted | {joined(ref['converted'], 'passkey', 2)} | {joined(after['converted'], 'passkey', 2)} |",
+        f"| quality | float32 fit ({reference['fit']['provenance']['date'][:10]}) | bf16 fit, PyTorch mixers (same code, `RFKIT_CPU_KERNEL=0`) | bf16 fit, compiled kernel |",
+        "|---|---:|---:|---:|",
+        f"| perplexity ratio, validation blocks | {reference['fit']['ppl_ratio']:.4f} | {twin['fit']['ppl_ratio']:.4f} | {fits['after']['ppl_ratio']:.4f} |",
+        f"| long documents, perplexity ratio at {span} tokens | {joined(ref['converted'], 'ppl_ratio', 3)} | {joined(pair['converted'], 'ppl_ratio', 3)} | {joined(after['converted'], 'ppl_ratio', 3)} |",
+        f"| passkey at {span} tokens, original | {joined(ref['original'], 'passkey', 2)} | {joined(pair['original'], 'passkey', 2)} | {joined(after['original'], 'passkey', 2)} |",
+        f"| passkey at {span} tokens, converted | {joined(ref['converted'], 'passkey', 2)} | {joined(pair['converted'], 'passkey', 2)} | {joined(after['converted'], 'passkey', 2)} |",
         "",
         f"| one hybrid block's forward + backward, {mixer['dtype']} activations, median of {mixer['runs']} (same machine) | PyTorch tiled path | compiled | speedup |",
         "|---|---:|---:|---:|",
