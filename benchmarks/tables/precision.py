@@ -167,6 +167,21 @@ def step_profile() -> str:
 AMX = "demo_smollm2_b05_amx"
 
 
+def _fit_rows(fits: dict, phases: tuple[str, ...]) -> list[str]:
+    """Rows of fits side by side (one column each): precision, perplexity ratio, wall time and
+    the time of each phase."""
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(f) for f in fits.values()) + " |"
+
+    lines = [
+        row("precision", lambda f: f["precision"].split(",")[0]),
+        row("perplexity ratio, validation blocks", lambda f: f"{f['ppl_ratio']:.4f}"),
+        row("fit wall time", lambda f: f"{f['wall_seconds'] / 60:.1f} min"),
+    ]
+    return lines + [row(f"of which {phase}", lambda f, phase=phase: f"{f['phases'][phase] / 60:.1f} min") for phase in phases]
+
+
 @table("precision_amx")
 def amx() -> str:
     """``make demo`` on a CPU with AMX, before and after the compiled loss (the first run also
@@ -177,12 +192,8 @@ def amx() -> str:
     lines = [
         f"| `rfkit fit --config recipes/smollm2_b05.yaml` on {_machine(fits['after'])} | first run, before the compiled loss | caches warm, compiled loss |",
         "|---|---:|---:|",
-        "| precision | " + " | ".join(f["precision"].split(",")[0] for f in fits.values()) + " |",
-        "| perplexity ratio, validation blocks | " + " | ".join(f"{f['ppl_ratio']:.4f}" for f in fits.values()) + " |",
-        "| fit wall time | " + " | ".join(f"{f['wall_seconds'] / 60:.1f} min" for f in fits.values()) + " |",
     ]  # fmt: skip
-    for phase in ("profile", "measure", "transfer", "train"):
-        lines.append(f"| of which {phase} | " + " | ".join(f"{f['phases'][phase] / 60:.1f} min" for f in fits.values()) + " |")
+    lines += _fit_rows(fits, ("profile", "measure", "transfer", "train"))
     shape = "x".join(str(n) for n in rows["shape"])
     lines += ["", f"| CE + KL on {shape} {rows['dtype']} logits, forward and backward, median of {rows['runs']} (same machine) | seconds |", "|---|---:|"]
     for name, label in (("plain", "the plain expressions"), ("rowwise_pytorch", "`rowwise_loss` in PyTorch ops"), ("rowwise", "`rowwise_loss`, compiled")):
@@ -212,12 +223,8 @@ def amx_kernel() -> str:
     lines = [
         f"| `rfkit fit --config recipes/smollm2_b05.yaml` on {_machine(fits['after'])} | mixers in PyTorch | compiled training kernel |",
         "|---|---:|---:|",
-        "| precision | " + " | ".join(f["precision"].split(",")[0] for f in fits.values()) + " |",
-        "| perplexity ratio, validation blocks | " + " | ".join(f"{f['ppl_ratio']:.4f}" for f in fits.values()) + " |",
-        "| fit wall time | " + " | ".join(f"{f['wall_seconds'] / 60:.1f} min" for f in fits.values()) + " |",
     ]  # fmt: skip
-    for phase in ("transfer", "train"):
-        lines.append(f"| of which {phase} | " + " | ".join(f"{f['phases'][phase] / 60:.1f} min" for f in fits.values()) + " |")
+    lines += _fit_rows(fits, ("transfer", "train"))
     after, ref, pair = context["rows"], reference["context"]["rows"], twin["context"]["rows"]
     lines += [
         "",

@@ -83,6 +83,22 @@ RF_INLINE float hsum16(rf_v16 v) {
 
 RF_INLINE int vectorised(int64_t hd) { return hd % 16 == 0 && hd <= 16 * RF_MAXV; }
 
+/* A row of nv * 16 floats into nv vectors, and back. */
+RF_INLINE void ld_row(rf_v16 *out, const float *p, int64_t nv) {
+    for (int64_t c = 0; c < nv; ++c) out[c] = ld16(p + 16 * c);
+}
+
+RF_INLINE void st_row(float *p, const rf_v16 *v, int64_t nv) {
+    for (int64_t c = 0; c < nv; ++c) st16(p + 16 * c, v[c]);
+}
+
+/* The dot product of a row held in vectors with a row in memory. */
+RF_INLINE float dot_row(const rf_v16 *a, const float *p, int64_t nv) {
+    rf_v16 acc = a[0] * ld16(p);
+    for (int64_t c = 1; c < nv; ++c) acc += a[c] * ld16(p + 16 * c);
+    return hsum16(acc);
+}
+
 static inline int64_t key_index(int64_t t, int64_t nsink, int64_t first) { return t < nsink ? t : first + t - nsink; }
 
 /* Scores of query qh (unscaled) against the window's keys, into s[0 .. nsink + nw); returns the
@@ -93,14 +109,12 @@ RF_INLINE float window_scores(const train_args *a, const float *qh, const float 
     *arg = 0;
     rf_v16 qv[RF_MAXV];
     const int64_t nv = vectorised(hd) ? hd / 16 : 0;
-    for (int64_t c = 0; c < nv; ++c) qv[c] = ld16(qh + 16 * c);
+    ld_row(qv, qh, nv);
     for (int64_t t = 0; t < nsink + nw; ++t) {
         const float *kt = kr + key_index(t, nsink, first) * hd;
         float dot = 0.0f;
         if (nv) {
-            rf_v16 acc = qv[0] * ld16(kt);
-            for (int64_t c = 1; c < nv; ++c) acc += qv[c] * ld16(kt + 16 * c);
-            dot = hsum16(acc);
+            dot = dot_row(qv, kt, nv);
         } else {
             for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kt[d];
         }
@@ -119,12 +133,12 @@ RF_INLINE void weighted_values(const float *e, const float *vr, int64_t nsink, i
     if (vectorised(hd)) {
         rf_v16 av[RF_MAXV];
         const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) av[c] = ld16(acc + 16 * c);
+        ld_row(av, acc, nv);
         for (int64_t t = 0; t < nsink + nw; ++t) {
             const float *vt = vr + key_index(t, nsink, first) * hd;
             for (int64_t c = 0; c < nv; ++c) av[c] += e[t] * ld16(vt + 16 * c);
         }
-        for (int64_t c = 0; c < nv; ++c) st16(acc + 16 * c, av[c]);
+        st_row(acc, av, nv);
         return;
     }
     for (int64_t t = 0; t < nsink + nw; ++t) {
@@ -141,19 +155,14 @@ RF_INLINE float window_value_grads(float *p, const float *dN, float dD, const fl
     float dm = 0.0f;
     rf_v16 nvv[RF_MAXV];
     const int64_t nv = vectorised(hd) ? hd / 16 : 0;
-    for (int64_t c = 0; c < nv; ++c) nvv[c] = ld16(dN + 16 * c);
+    ld_row(nvv, dN, nv);
     for (int64_t t = 0; t < nsink + nw; ++t) {
         const int64_t j = key_index(t, nsink, first);
         const float pt = p[t], *vt = vr + j * hd;
         float *dvt = dvr + j * hd, dot = 0.0f;
         if (nv) {
-            rf_v16 acc = nvv[0] * ld16(vt);
-            st16(dvt, ld16(dvt) + pt * nvv[0]);
-            for (int64_t c = 1; c < nv; ++c) {
-                acc += nvv[c] * ld16(vt + 16 * c);
-                st16(dvt + 16 * c, ld16(dvt + 16 * c) + pt * nvv[c]);
-            }
-            dot = hsum16(acc);
+            dot = dot_row(nvv, vt, nv);
+            for (int64_t c = 0; c < nv; ++c) st16(dvt + 16 * c, ld16(dvt + 16 * c) + pt * nvv[c]);
         } else {
             for (int64_t d = 0; d < hd; ++d) {
                 dot += dN[d] * vt[d];
@@ -173,10 +182,8 @@ RF_INLINE void window_key_grads(const float *ds, float scaling, const float *qh,
     if (vectorised(hd)) {
         rf_v16 qv[RF_MAXV], av[RF_MAXV];
         const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) {
-            qv[c] = ld16(qh + 16 * c);
-            av[c] = ld16(dqh + 16 * c);
-        }
+        ld_row(qv, qh, nv);
+        ld_row(av, dqh, nv);
         for (int64_t t = 0; t < nsink + nw; ++t) {
             const int64_t j = key_index(t, nsink, first);
             const float w = ds[t] * scaling, *kt = kr + j * hd;
@@ -186,7 +193,7 @@ RF_INLINE void window_key_grads(const float *ds, float scaling, const float *qh,
                 st16(dkt + 16 * c, ld16(dkt + 16 * c) + w * qv[c]);
             }
         }
-        for (int64_t c = 0; c < nv; ++c) st16(dqh + 16 * c, av[c]);
+        st_row(dqh, av, nv);
         return;
     }
     for (int64_t t = 0; t < nsink + nw; ++t) {
@@ -205,13 +212,8 @@ RF_INLINE void rows_dot(const float *M, int64_t n, const float *v, float *out, c
     if (vectorised(hd)) {
         rf_v16 vv[RF_MAXV];
         const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) vv[c] = ld16(v + 16 * c);
-        for (int64_t x = 0; x < n; ++x) {
-            const float *Mx = M + x * hd;
-            rf_v16 acc = vv[0] * ld16(Mx);
-            for (int64_t c = 1; c < nv; ++c) acc += vv[c] * ld16(Mx + 16 * c);
-            out[x] = hsum16(acc);
-        }
+        ld_row(vv, v, nv);
+        for (int64_t x = 0; x < n; ++x) out[x] = dot_row(vv, M + x * hd, nv);
         return;
     }
     for (int64_t x = 0; x < n; ++x) {
@@ -226,7 +228,7 @@ RF_INLINE void rows_add(float *M, int64_t n, const float *w, const float *v, con
     if (vectorised(hd)) {
         rf_v16 vv[RF_MAXV];
         const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) vv[c] = ld16(v + 16 * c);
+        ld_row(vv, v, nv);
         for (int64_t x = 0; x < n; ++x)
             for (int64_t c = 0; c < nv; ++c) st16(M + x * hd + 16 * c, ld16(M + x * hd + 16 * c) + w[x] * vv[c]);
         return;
@@ -242,10 +244,8 @@ RF_INLINE void adjoint_reads(const float *R, const float *T, const float *r, con
     if (vectorised(hd)) {
         rf_v16 vv[RF_MAXV], dvv[RF_MAXV];
         const int64_t nv = hd / 16;
-        for (int64_t c = 0; c < nv; ++c) {
-            vv[c] = ld16(v + 16 * c);
-            dvv[c] = ld16(dv + 16 * c);
-        }
+        ld_row(vv, v, nv);
+        ld_row(dvv, dv, nv);
         for (int64_t x = 0; x < n; ++x) {
             const float *Rx = R + x * hd, *Tx = T + x * hd;
             rf_v16 a = vv[0] * ld16(Rx), b = vv[0] * ld16(Tx);
@@ -259,7 +259,7 @@ RF_INLINE void adjoint_reads(const float *R, const float *T, const float *r, con
             dphi[x] = r[x] + hsum16(a);
             tx[x] = t[x] + hsum16(b);
         }
-        for (int64_t c = 0; c < nv; ++c) st16(dv + 16 * c, dvv[c]);
+        st_row(dv, dvv, nv);
         return;
     }
     for (int64_t x = 0; x < n; ++x) {
@@ -355,16 +355,15 @@ RF_INLINE int train_bwd_body(const train_args *a, int64_t row, const float *out,
     for (int64_t h = 0; h < hq; ++h) rep += a->kvq[h] == kv;
     const int64_t nwin = a->sink + a->window;
     /* state S, z (and in the second sweep R, r, T, t), scratch, and per query and head phi(q), da, dzl */
-    const size_t scratch = (size_t)(4 * f * hd + 4 * f + nwin + 2 * hd + 3 * f);
+    const size_t scratch = (size_t)(3 * f * hd + 6 * f + nwin + hd);
     const size_t keep = fm ? (size_t)(L * rep * (f + hd + 1)) : 0;
     float *buf = (float *)calloc(scratch + keep, sizeof(float));
     if (!buf) return -1;
     float *restrict S = buf, *restrict z = S + f * hd, *restrict R = z + f, *restrict r = R + f * hd;
     float *restrict T = r + f, *restrict t_ = T + f * hd;
-    float *restrict s = t_ + f, *restrict dN = s + nwin, *restrict acc = dN + hd;
-    float *restrict phi = acc + hd, *restrict dphi = phi + f, *restrict tx = dphi + f;
+    float *restrict s = t_ + f, *restrict dN = s + nwin;
+    float *restrict phi = dN + hd, *restrict dphi = phi + f, *restrict tx = dphi + f;
     float *restrict kphi = buf + scratch, *restrict kda = kphi + L * rep * f, *restrict kdzl = kda + L * rep * hd;
-    (void)T;
     for (int64_t i = 0; i < L; ++i) {
         if (fm) fold(a, i, kv, kr, vr, fm, S, z, phi, hd);
         int64_t nsink, first, nw, arg, slot = 0;
