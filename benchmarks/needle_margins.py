@@ -22,39 +22,15 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from rfkit.atomic import atomic_write_json, atomic_write_text
 from rfkit.config.loading import load_model
+from rfkit.conversion.state_audit import margins, prompt_pairs
 from rfkit.evals import needles
 from rfkit.models.mixer import ablatable_mixers, ablate_states
 from rfkit.models.modeling import decoder_layers
 from rfkit.provenance import stamp
-
-
-@torch.no_grad()
-def margins(model, prompts: list[tuple[torch.Tensor, int]]) -> list[dict]:
-    """Per prompt ``(ids (1, L), key's first token)``: ``{"margin", "top"}``, the key token's
-    log-probability minus the best other token's, and the best token's id."""
-    out = []
-    for ids, key_token in prompts:
-        logp = model(input_ids=ids, use_cache=False).logits[0, -1].float().log_softmax(-1)
-        other = logp.clone()
-        other[key_token] = float("-inf")
-        best = int(logp.argmax())
-        out.append({"margin": round(float(logp[key_token] - other.max()), 4), "top": best})
-    return out
-
-
-def key_token(tokenizer, text: str, key: int) -> int:
-    """The first token the model must produce after ``text`` to answer ``key`` (the key's
-    leading space merged as the tokenizer merges it)."""
-    full = tokenizer(text + f" {key}")["input_ids"]
-    prompt = tokenizer(text)["input_ids"]
-    if full[: len(prompt)] != prompt:
-        raise SystemExit("the prompt's tokens change when the key follows it; cannot name the answer's first token")
-    return full[len(prompt)]
 
 
 def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int) -> dict:
@@ -64,10 +40,7 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
         raise SystemExit(f"{model_dir}: no mixer with a state to switch off (the hybrid and hybrid-Mamba operators have one)")
     tok = converted.tokenizer
     records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
-    prompts = []
-    for r in records:
-        ids = tok(r["text"], return_tensors="pt").input_ids  # as rfkit eval needles tokenizes it
-        prompts.append((ids, key_token(tok, r["text"], r["key"])))
+    prompts = prompt_pairs(tok, records)  # tokenized as rfkit eval needles tokenizes them
     original = load_model(model_dir, original=True).model.eval()
     rows = {"original": margins(original, prompts)}
     del original

@@ -115,8 +115,10 @@ class RFKitCLI(LightningCLI):
         return base
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        from rfkit.callbacks import CacheMonitor, PerplexityMonitor, RunSummary
+        from rfkit.callbacks import CacheMonitor, PerplexityMonitor, RunSummary, StateAudit
 
+        # the audit first: it may close states that the final perplexity and the saved model then lack
+        parser.add_lightning_class_args(StateAudit, "state_audit")
         parser.add_lightning_class_args(PerplexityMonitor, "perplexity")
         parser.add_lightning_class_args(CacheMonitor, "cache")
         parser.add_lightning_class_args(RunSummary, "summary")

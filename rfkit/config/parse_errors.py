@@ -41,6 +41,7 @@ _DEFAULT_CLASSES = {
     "model.transfer": "rfkit.training.transfer.TransferConfig",
     "model.distill": "rfkit.training.distill.DistillConfig",
     "model.lora": "rfkit.models.lora.LoraSettings",
+    "state_audit": "rfkit.callbacks.StateAudit",
     "perplexity": "rfkit.callbacks.PerplexityMonitor",
     "cache": "rfkit.callbacks.CacheMonitor",
     "summary": "rfkit.callbacks.RunSummary",

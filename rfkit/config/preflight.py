@@ -176,6 +176,13 @@ def check_recall_weight(model, data) -> None:
         )
 
 
+def check_state_audit(section) -> None:
+    """The ``state_audit`` section's settings, when it is on (``max_layers`` above 0)."""
+    from rfkit.callbacks.state_audit import StateAudit
+
+    StateAudit(**{k: v for k, v in dict(section).items() if k in StateAudit.FIELDS})
+
+
 def preflight(subcommand: str | None, config) -> None:
     """Checks that need only the parsed settings: they run before any class is built, any
     model loads or anything is written, and each failure is one line naming the field.
@@ -191,6 +198,7 @@ def preflight(subcommand: str | None, config) -> None:
       ``model.transfer.long_source`` (fit and convert, which run transfer) and the training
       mix's ``data.long_source`` (fit), each a known name with some text, its ``long_seq_len``
       within the model's context;
+    * the ``state_audit`` section's settings (fit), when it is on;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint;
     * ``--device`` of profile and convert (cpu, cuda or cuda:N; CUDA present when asked for).
@@ -225,6 +233,9 @@ def preflight(subcommand: str | None, config) -> None:
         if subcommand == "fit" and dirpath:
             check_writable(dirpath, "checkpoint.dirpath", "directory")
         check_ckpt_path(config.get("ckpt_path"))
+        audit = config.get("state_audit")
+        if subcommand == "fit" and audit is not None:
+            check_state_audit(audit)
     elif subcommand in ("profile", "convert"):
         output = config.get("output")
         if output:

@@ -96,22 +96,28 @@ MULTI_QUESTION = "What is the pass key of the {colour} door? The pass key of the
 
 # ----------------------------------------------------------------------------- prompts
 @functools.lru_cache(maxsize=4)
-def held_out_sentences(source: str) -> tuple[str, ...]:
-    """The sentences of ``source``'s validation documents (rfkit's own split, so never trained
-    on), whitespace made single, without digits, of 4 to 60 words."""
+def filler_sentences(source: str, split: str = "validation") -> tuple[str, ...]:
+    """The sentences of ``source``'s ``split`` documents (rfkit's own split: ``validation`` is
+    never trained on; ``train`` serves calibration, :mod:`rfkit.conversion.state_audit`),
+    whitespace made single, without digits, of 4 to 60 words."""
     from rfkit.data.documents import split_documents
     from rfkit.data.embedded import default_split
     from rfkit.data.sources import load_documents
 
-    docs = split_documents(load_documents(source), default_split(source))["validation"]
+    docs = split_documents(load_documents(source), default_split(source))[split]
     sentences = []
     for doc in docs:
         for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.text.split())):
             if 4 <= len(sentence.split()) <= 60 and not re.search(r"\d", sentence):
                 sentences.append(sentence)
     if len(sentences) < 50:
-        raise EvalError(f"--shapes: '{source}' holds {len(sentences)} usable held-out sentences; the filler needs at least 50")
+        raise EvalError(f"--shapes: '{source}' holds {len(sentences)} usable {split} sentences; the filler needs at least 50")
     return tuple(sentences)
+
+
+def held_out_sentences(source: str) -> tuple[str, ...]:
+    """:func:`filler_sentences` of the validation split: the evaluations' filler."""
+    return filler_sentences(source, "validation")
 
 
 def insert(instruction: str, filler: list[str], needles: list[tuple[float, str]], question: str) -> str:
@@ -129,15 +135,18 @@ def insert(instruction: str, filler: list[str], needles: list[tuple[float, str]]
     return " ".join(parts) + "\n" + question
 
 
-def trial(shape: Shape, tokenizer, length: int, depth: float, seed: int, index: int) -> dict:
+def trial(shape: Shape, tokenizer, length: int, depth: float, seed: int, index: int, split: str = "validation") -> dict:
     """One prompt of at most ``length`` tokens: ``{"text", "prompt_tokens", "key", "keys"}``
     (``keys``: every needle's key, the asked one first). Fixed by (shape, seed, length, depth,
-    index) alone, so every model sees the same prompt."""
+    index) alone, so every model sees the same prompt. A running-text filler reads ``split``'s
+    sentences (``train``: calibration prompts, never the evaluation's)."""
     if shape.name == "passkey":  # the passkey test's own key and prompt
         key = passkey.trial_key(seed, length, depth, index)
         text, tokens = passkey.build_prompt(tokenizer, length, depth, key)
         return {"text": text, "prompt_tokens": tokens, "key": key, "keys": [key]}
-    rng = random.Random(f"needles:{shape.name}:{seed}:{length}:{depth!r}:{index}")
+    # another split draws other keys too (the evaluation's own prompts are unchanged)
+    tag = "" if split == "validation" else f":{split}"
+    rng = random.Random(f"needles:{shape.name}:{seed}:{length}:{depth!r}:{index}{tag}")
     keys: list[int] = []
     while len(keys) < shape.needles:  # distinct keys of exactly shape.digits digits
         key = rng.randint(10 ** (shape.digits - 1), 10**shape.digits - 1)
@@ -146,7 +155,7 @@ def trial(shape: Shape, tokenizer, length: int, depth: float, seed: int, index: 
     if shape.filler is None:
         sentences, start = passkey.FILLER_SENTENCES, 0
     else:
-        sentences = held_out_sentences(shape.filler)
+        sentences = filler_sentences(shape.filler, split)
         start = rng.randrange(len(sentences))
     if shape.needles == 1:
         instruction, question = passkey.INSTRUCTION, shape.question or passkey.QUESTION
@@ -172,15 +181,16 @@ def first_integer(output: str) -> int | None:
     return int(found.group()) if found else None
 
 
-def prompts(tokenizer, shapes: list[Shape], lengths: list[int], depths: list[float], trials: int, seed: int) -> list[dict]:
+def prompts(tokenizer, shapes: list[Shape], lengths: list[int], depths: list[float], trials: int, seed: int, split: str = "validation") -> list[dict]:
     """Every prompt of the run, each a record (``shape``, ``length``, ``depth``, ``trial``, keys,
-    text); the prompt of ``length`` is at most ``length - shape.new_tokens`` tokens."""
+    text); the prompt of ``length`` is at most ``length - shape.new_tokens`` tokens. Running-text
+    fillers read ``split``'s sentences."""
     records = []
     for shape in shapes:
         for length in lengths:
             for depth in depths:
                 for index in range(trials):
-                    made = trial(shape, tokenizer, length - shape.new_tokens, depth, seed, index)
+                    made = trial(shape, tokenizer, length - shape.new_tokens, depth, seed, index, split)
                     records.append({"shape": shape.name, "length": length, "depth": depth, "trial": index, **made})
     return records
 

@@ -1,0 +1,87 @@
+"""The state audit at the end of ``rfkit fit`` (the recipe's ``state_audit`` section): close the
+hybrid states that turn a quote away (:mod:`rfkit.conversion.state_audit`).
+
+It runs when training ends, before the converted model's perplexity is measured and before the
+model is saved, so the summary's perplexity, the saved weights and every later evaluation are the
+audited model's. Off unless ``max_layers`` is set (0 by default). One process only: a sharded
+(FSDP) run is refused before anything loads.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+from rfkit.errors import RFKitError
+
+
+class StateAudit(L.Callback):
+    """Close up to ``max_layers`` layers' states that lower the window's quotes (off at 0).
+
+    Args:
+        max_layers: Most layers whose states are closed (0: no audit).
+        shape: Needle shape of the calibration prompts (``plays`` or ``prose``).
+        lengths: Their lengths in tokens.
+        depths: Where their key sits (1: the sentence before the question).
+        trials: Prompts per length and depth.
+        seed: Draws their keys and filler.
+        split: The filler's split (``train`` or ``calibration``; never what ``rfkit eval needles`` reads).
+        min_margin: The margin a quote must exceed (0: the greedy answer starts with the key).
+    """
+
+    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin")
+
+    def __init__(
+        self,
+        max_layers: int = 0,
+        shape: str = "plays",
+        lengths: list[int] | None = None,
+        depths: list[float] | None = None,
+        trials: int = 8,
+        seed: int = 0,
+        split: str = "train",
+        min_margin: float = 0.0,
+    ):
+        if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 0:
+            raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
+        self.max_layers = max_layers
+        self.settings = None
+        if max_layers:
+            from rfkit.conversion.state_audit import StateAuditConfig
+
+            self.settings = StateAuditConfig(
+                shape=shape, lengths=list(lengths or [2048]), depths=list(depths or [1.0]), trials=trials,
+                seed=seed, split=split, max_layers=max_layers, min_margin=min_margin,
+            )  # fmt: skip
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.settings is not None and trainer.world_size > 1:
+            raise RFKitError(f"state_audit.max_layers: the audit runs in one process; this run has {trainer.world_size} (use 0)")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Refuse a model without a state to close before training, not after it."""
+        if self.settings is None or pl_module.head_map is None:
+            return
+        from rfkit.conversion.state_audit import stateful_layers
+
+        layers = stateful_layers(pl_module.model)
+        if not layers:
+            raise RFKitError("state_audit.max_layers: the converted model has no state to close (the hybrid operators have one); use 0")
+        gateless = {type(m).__name__ for mixers in layers.values() for m in mixers if not hasattr(m, "gate")}
+        if gateless:
+            raise RFKitError(f"state_audit.max_layers: {', '.join(sorted(gateless))} has no gate to close; use 0")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.settings is None or pl_module.head_map is None:
+            return
+        from rfkit.conversion.state_audit import audit
+        from rfkit.training.progress import phase
+
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        if tokenizer is None:
+            raise RFKitError("state_audit: the data module has no tokenizer to write the calibration prompts with")
+        with phase(pl_module, "audit", "the states"):
+            report = audit(pl_module.model, tokenizer, self.settings)
+        pl_module.run_metrics["state_audit"] = report
+        closed = ", ".join(map(str, report["closed"])) or "none"
+        quoted = "every" if report["all_targets_quoted"] else "not every"
+        print(f"state audit: closed the states of layers {closed}; {quoted} calibration key the window alone quotes is quoted")
