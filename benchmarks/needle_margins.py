@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from rfkit.atomic import atomic_write_json, atomic_write_text
 from rfkit.config.loading import load_model
-from rfkit.conversion.state_audit import margins, prompt_pairs
+from rfkit.training.state_audit import margins, prompt_pairs
 from rfkit.evals import needles
 from rfkit.models.mixer import ablatable_mixers, ablate_states
 from rfkit.models.modeling import decoder_layers

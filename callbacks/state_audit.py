@@ -1,5 +1,5 @@
 """The state audit at the end of ``rfkit fit`` (the recipe's ``state_audit`` section): close the
-hybrid states that turn a quote away (:mod:`rfkit.conversion.state_audit`).
+hybrid states that turn a quote away (:mod:`rfkit.training.state_audit`).
 
 It runs when training ends, before the converted model's perplexity is measured and before the
 model is saved, so the summary's perplexity, the saved weights and every later evaluation are the
@@ -46,7 +46,7 @@ class StateAudit(L.Callback):
         self.max_layers = max_layers
         self.settings = None
         if max_layers:
-            from rfkit.conversion.state_audit import StateAuditConfig
+            from rfkit.training.state_audit import StateAuditConfig
 
             self.settings = StateAuditConfig(
                 shape=shape, lengths=list(lengths or [2048]), depths=list(depths or [1.0]), trials=trials,
@@ -61,7 +61,7 @@ class StateAudit(L.Callback):
         """Refuse a model without a state to close before training, not after it."""
         if self.settings is None or pl_module.head_map is None:
             return
-        from rfkit.conversion.state_audit import stateful_layers
+        from rfkit.training.state_audit import stateful_layers
 
         layers = stateful_layers(pl_module.model)
         if not layers:
@@ -73,7 +73,7 @@ class StateAudit(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.settings is None or pl_module.head_map is None:
             return
-        from rfkit.conversion.state_audit import audit
+        from rfkit.training.state_audit import audit
         from rfkit.training.progress import phase
 
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)

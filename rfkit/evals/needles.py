@@ -39,160 +39,35 @@ Writes ``needles.json``, ``needles.md`` and ``needles.png`` to ``--output`` (def
 
 from __future__ import annotations
 
-import functools
-import random
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from rfkit.config.args import parse_depths, parse_lengths
+from rfkit.data.needle_prompts import (  # noqa: F401  (the shapes' names, read by the evaluation and tests)
+    ALLOWED,
+    COLOURS,
+    DEFAULT_SHAPES,
+    MULTI_INSTRUCTION,
+    MULTI_NEEDLE,
+    MULTI_QUESTION,
+    PROSE_QUESTION,
+    SHAPES,
+    PromptError,
+    Shape,
+    filler_sentences,
+    held_out_sentences,
+    insert,
+    prompts,
+    trial,
+)
 from rfkit.evals import passkey
 from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One kind of needle test: its filler, its key and how many needles it hides."""
-
-    name: str
-    about: str
-    filler: str | None = None  # None: the passkey filler repeated; else the source whose held-out sentences fill
-    digits: int = 5
-    needles: int = 1
-    new_tokens: int = passkey.NEW_TOKENS
-    question: str | None = None  # one-needle shapes: None asks the passkey test's question (multi asks MULTI_QUESTION)
-
-
-# After encyclopaedic text SmolLM2 continues "The pass key is" with a definition ("a device
-# used to ...", the original 0 of 6 at 2,048 tokens, with the key the sentence before); asked
-# for "the number" it quotes the key (6 of 6 on the same prompts).
-PROSE_QUESTION = "What is the pass key? The pass key is the number"
-
-
-SHAPES = {
-    shape.name: shape
-    for shape in (
-        Shape("passkey", "the passkey test: one 5-digit key in the repeated filler"),
-        Shape(
-            "prose", "one 5-digit key in held-out Wikipedia summaries, asked for as a number",
-            filler="embedded:wikipedia-en", question=PROSE_QUESTION,
-        ),
-        Shape("plays", "one 5-digit key in held-out Shakespeare", filler="embedded:shakespeare"),
-        Shape("long", "one 20-digit key in the repeated filler", digits=20, new_tokens=24),
-        Shape("multi", "three 5-digit keys for three doors; the question asks for one", needles=3),
-    )
-}
-DEFAULT_SHAPES = ",".join(SHAPES)
-ALLOWED = ", ".join(SHAPES)
-COLOURS = ("red", "green", "blue")
-MULTI_INSTRUCTION = (
-    "Several pass keys are hidden in the long passage below, one for each door. "
-    "Find them and keep them in mind: you will be asked for one of them at the end."
-)
-MULTI_NEEDLE = "The pass key of the {colour} door is {key}. Remember it. {key} is the pass key of the {colour} door."
-MULTI_QUESTION = "What is the pass key of the {colour} door? The pass key of the {colour} door is"
-
-
-# ----------------------------------------------------------------------------- prompts
-@functools.lru_cache(maxsize=4)
-def filler_sentences(source: str, split: str = "validation") -> tuple[str, ...]:
-    """The sentences of ``source``'s ``split`` documents (rfkit's own split: ``validation`` is
-    never trained on; ``train`` serves calibration, :mod:`rfkit.conversion.state_audit`),
-    whitespace made single, without digits, of 4 to 60 words."""
-    from rfkit.data.documents import split_documents
-    from rfkit.data.embedded import default_split
-    from rfkit.data.sources import load_documents
-
-    docs = split_documents(load_documents(source), default_split(source))[split]
-    sentences = []
-    for doc in docs:
-        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.text.split())):
-            if 4 <= len(sentence.split()) <= 60 and not re.search(r"\d", sentence):
-                sentences.append(sentence)
-    if len(sentences) < 50:
-        raise EvalError(f"--shapes: '{source}' holds {len(sentences)} usable {split} sentences; the filler needs at least 50")
-    return tuple(sentences)
-
-
-def held_out_sentences(source: str) -> tuple[str, ...]:
-    """:func:`filler_sentences` of the validation split: the evaluations' filler."""
-    return filler_sentences(source, "validation")
-
-
-def insert(instruction: str, filler: list[str], needles: list[tuple[float, str]], question: str) -> str:
-    """``instruction``, the filler with each ``(depth, needle)`` after ``round(depth * len(filler))``
-    of its sentences (in the order given where two fall together), then the question on its own
-    line: :func:`rfkit.evals.passkey.compose`'s layout for any number of needles."""
-    n = len(filler)
-    at = sorted((round(depth * n), i) for i, (depth, _) in enumerate(needles))
-    parts, done = [instruction], 0
-    for where, i in at:
-        parts += filler[done:where]
-        parts.append(needles[i][1])
-        done = where
-    parts += filler[done:]
-    return " ".join(parts) + "\n" + question
-
-
-def trial(shape: Shape, tokenizer, length: int, depth: float, seed: int, index: int, split: str = "validation") -> dict:
-    """One prompt of at most ``length`` tokens: ``{"text", "prompt_tokens", "key", "keys"}``
-    (``keys``: every needle's key, the asked one first). Fixed by (shape, seed, length, depth,
-    index) alone, so every model sees the same prompt. A running-text filler reads ``split``'s
-    sentences (``train``: calibration prompts, never the evaluation's)."""
-    if shape.name == "passkey":  # the passkey test's own key and prompt
-        key = passkey.trial_key(seed, length, depth, index)
-        text, tokens = passkey.build_prompt(tokenizer, length, depth, key)
-        return {"text": text, "prompt_tokens": tokens, "key": key, "keys": [key]}
-    # another split draws other keys too (the evaluation's own prompts are unchanged)
-    tag = "" if split == "validation" else f":{split}"
-    rng = random.Random(f"needles:{shape.name}:{seed}:{length}:{depth!r}:{index}{tag}")
-    keys: list[int] = []
-    while len(keys) < shape.needles:  # distinct keys of exactly shape.digits digits
-        key = rng.randint(10 ** (shape.digits - 1), 10**shape.digits - 1)
-        if key not in keys:
-            keys.append(key)
-    if shape.filler is None:
-        sentences, start = passkey.FILLER_SENTENCES, 0
-    else:
-        sentences = filler_sentences(shape.filler, split)
-        start = rng.randrange(len(sentences))
-    if shape.needles == 1:
-        instruction, question = passkey.INSTRUCTION, shape.question or passkey.QUESTION
-        needles = [(depth, passkey.NEEDLE.format(key=keys[0]))]
-    else:
-        first = rng.randrange(len(COLOURS))
-        colours = [COLOURS[(first + i) % len(COLOURS)] for i in range(shape.needles)]
-        instruction, question = MULTI_INSTRUCTION, MULTI_QUESTION.format(colour=colours[0])
-        needles = [
-            ((depth + i / shape.needles) % 1.0 if i else depth, MULTI_NEEDLE.format(colour=colours[i], key=keys[i]))
-            for i in range(shape.needles)
-        ]
-
-    def make(n: int) -> str:
-        return insert(instruction, [sentences[(start + i) % len(sentences)] for i in range(n)], needles, question)
-
-    text, tokens = passkey.longest_prompt(tokenizer, length, make, f"the {shape.name} template")
-    return {"text": text, "prompt_tokens": tokens, "key": keys[0], "keys": keys}
 
 
 def first_integer(output: str) -> int | None:
     found = re.search(r"\d+", output)
     return int(found.group()) if found else None
-
-
-def prompts(tokenizer, shapes: list[Shape], lengths: list[int], depths: list[float], trials: int, seed: int, split: str = "validation") -> list[dict]:
-    """Every prompt of the run, each a record (``shape``, ``length``, ``depth``, ``trial``, keys,
-    text); the prompt of ``length`` is at most ``length - shape.new_tokens`` tokens. Running-text
-    fillers read ``split``'s sentences."""
-    records = []
-    for shape in shapes:
-        for length in lengths:
-            for depth in depths:
-                for index in range(trials):
-                    made = trial(shape, tokenizer, length - shape.new_tokens, depth, seed, index, split)
-                    records.append({"shape": shape.name, "length": length, "depth": depth, "trial": index, **made})
-    return records
 
 
 def answer(model, tokenizer, records: list[dict], batch_size: int = 1, desc: str = "needles") -> list[dict]:
@@ -357,7 +232,7 @@ def validate(args) -> None:
     for shape in args.shape_list:  # the shortest length must hold every template and its answer
         try:
             trial(shape, tokenizer, shortest - shape.new_tokens, 0.0, args.seed, 0)
-        except EvalError:
+        except PromptError:
             raise EvalError(
                 f"--lengths: {shortest} tokens cannot hold the {shape.name} template and its {shape.new_tokens}-token "
                 f"answer; give longer lengths or leave {shape.name} out of --shapes"

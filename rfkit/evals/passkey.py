@@ -17,11 +17,25 @@ when the first integer in the answer equals the key.
 
 from __future__ import annotations
 
-import random
 import re
 import time
 
 from rfkit.config.args import parse_depths, parse_lengths
+from rfkit.data.needle_prompts import (  # noqa: F401  (the template's names, read by the evaluations and tests)
+    FILLER,
+    FILLER_SENTENCES,
+    INSTRUCTION,
+    NEEDLE,
+    NEW_TOKENS,
+    QUESTION,
+    PromptError,
+    build_prompt,
+    compose,
+    count_tokens,
+    longest_prompt,
+    template_tokens,
+    trial_key,
+)
 from rfkit.evals.common import (
     EvalError,
     add_model_arguments,
@@ -31,83 +45,6 @@ from rfkit.evals.common import (
     positive_int,
     write_json,
 )
-
-INSTRUCTION = (
-    "Somewhere in the long passage below, a pass key is hidden among sentences that do not matter. "
-    "Find the pass key and keep it in mind: you will be asked for it at the end."
-)
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-# the filler is laid down sentence by sentence (repeating the five), so prompts land within a
-# sentence of the target length
-FILLER_SENTENCES = [part + "." for part in FILLER[:-1].split(". ")]
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "What is the pass key? The pass key is"
-NEW_TOKENS = 8
-
-
-# ----------------------------------------------------------------------------- prompts
-def compose(sentences: int, depth: float, key: int) -> str:
-    """The prompt with ``sentences`` filler sentences (the filler repeated, cut after that many
-    sentences) and the needle after ``round(depth * sentences)`` of them."""
-    filler = [FILLER_SENTENCES[i % len(FILLER_SENTENCES)] for i in range(sentences)]
-    at = round(depth * sentences)
-    parts = [INSTRUCTION, *filler[:at], NEEDLE.format(key=key), *filler[at:]]
-    return " ".join(parts) + "\n" + QUESTION
-
-
-def count_tokens(tokenizer, text: str) -> int:
-    """Tokens of ``text`` as ``greedy_generate`` encodes it (special tokens included)."""
-    return len(tokenizer(text)["input_ids"])
-
-
-def build_prompt(tokenizer, length: int, depth: float, key: int) -> tuple[str, int]:
-    """The longest prompt of at most ``length`` tokens: ``(text, tokens)``.
-
-    Raises:
-        EvalError: ``length`` cannot hold even the template without filler.
-    """
-    return longest_prompt(tokenizer, length, lambda n: compose(n, depth, key))
-
-
-def longest_prompt(tokenizer, length: int, make, what: str = "the passkey template") -> tuple[str, int]:
-    """``make(n)`` (a prompt with ``n`` filler sentences) for the largest ``n`` whose prompt is at
-    most ``length`` tokens: ``(text, tokens)``. Shared by every needle test
-    (:mod:`rfkit.evals.needles`).
-
-    Raises:
-        EvalError: ``length`` cannot hold even ``make(0)``.
-    """
-    def size(n: int) -> int:
-        return count_tokens(tokenizer, make(n))
-
-    smallest = size(0)
-    if smallest > length:
-        raise EvalError(
-            f"--lengths: {length} tokens cannot hold {what} ({smallest} tokens without filler); "
-            f"give lengths of at least {smallest}"
-        )
-    low, high = 0, 8  # size(low) <= length; find high with size(high) > length
-    while size(high) <= length:
-        low, high = high, high * 2
-    while high - low > 1:  # the most filler sentences that fit
-        mid = (low + high) // 2
-        if size(mid) <= length:
-            low = mid
-        else:
-            high = mid
-    text = make(low)
-    return text, count_tokens(tokenizer, text)
-
-
-def template_tokens(tokenizer) -> int:
-    """Tokens of the template with no filler (the shortest possible prompt)."""
-    return max(count_tokens(tokenizer, compose(0, d, k)) for d in (0.0, 1.0) for k in (10000, 99999))
-
-
-def trial_key(seed: int, length: int, depth: float, trial: int) -> int:
-    """The 5-digit key of one trial, fixed by (seed, length, depth, trial) alone."""
-    return random.Random(f"passkey:{seed}:{length}:{depth!r}:{trial}").randint(10000, 99999)
-
 
 def score(output: str, key: int) -> bool:
     """Correct when the first integer in ``output`` is the key."""

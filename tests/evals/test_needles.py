@@ -93,7 +93,7 @@ def test_insert_keeps_needles_at_one_depth_in_the_order_given():
 
 
 def test_a_length_below_a_template_is_one_clear_error(tokenizer):
-    with pytest.raises(passkey.EvalError, match="cannot hold the multi template"):
+    with pytest.raises(passkey.PromptError, match="cannot hold the multi template"):
         trial(SHAPES["multi"], tokenizer, 60, 0.5, 0, 0)
 
 

@@ -51,7 +51,7 @@ def test_depth_places_the_needle_at_start_middle_and_end(tokenizer):
 def test_a_length_below_the_template_is_one_clear_error(tokenizer):
     need = passkey.template_tokens(tokenizer)
     build_prompt(tokenizer, need, 0.5, 99999)  # fits exactly, with no filler
-    with pytest.raises(passkey.EvalError, match="cannot hold the passkey template"):
+    with pytest.raises(passkey.PromptError, match="cannot hold the passkey template"):
         build_prompt(tokenizer, need - 1, 0.5, 99999)
 
 

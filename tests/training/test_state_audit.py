@@ -1,4 +1,4 @@
-"""rfkit.conversion.state_audit: calibration prompts from the train split, the margins, and the
+"""rfkit.training.state_audit: calibration prompts from the train split, the margins, and the
 greedy closing of the states that lower them, on the tiny converted model."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def tokenizer(tiny_model_dir):
 
 
 def _settings(**kw):
-    from rfkit.conversion.state_audit import StateAuditConfig
+    from rfkit.training.state_audit import StateAuditConfig
 
     return StateAuditConfig(**{"lengths": [192], "trials": 2, "max_layers": 2, **kw})
 
@@ -73,7 +73,7 @@ def _gates(model):
 
 @pytest.mark.slow
 def test_audit_measures_each_state_and_closes_the_one_that_lowers_a_quote(converted_dir, tmp_path):
-    from rfkit.conversion.state_audit import audit, margins, prompt_pairs
+    from rfkit.training.state_audit import audit, margins, prompt_pairs
     from rfkit.evals import needles
 
     first, _ = one_state_open(converted_dir, tmp_path / "model")  # only the first converted layer's state counts
@@ -107,7 +107,7 @@ def test_audit_measures_each_state_and_closes_the_one_that_lowers_a_quote(conver
 
 
 def test_the_greedy_closing_takes_the_strongest_state_first_and_stops_when_every_key_is_quoted():
-    from rfkit.conversion.state_audit import choose
+    from rfkit.training.state_audit import choose
 
     effect = {3: 0.2, 5: 0.7, 9: -0.4, 12: 0.5}
     after = {5: [0.1, -0.2], 12: [0.3, 0.1], 3: [0.4, 0.2]}  # the targets' margins once that layer is closed too
@@ -131,7 +131,7 @@ def test_the_greedy_closing_takes_the_strongest_state_first_and_stops_when_every
 
 
 def test_a_model_without_a_state_is_refused(converted_dir):
-    from rfkit.conversion.state_audit import audit
+    from rfkit.training.state_audit import audit
     from rfkit.config.loading import load_model
 
     original = load_model(str(converted_dir), original=True)

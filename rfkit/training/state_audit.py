@@ -7,17 +7,17 @@ shapes"). Which layer's state does it moves from one training run to the next, s
 of stateless layers serves. The audit measures it on the trained model itself, on calibration
 prompts that no evaluation asks:
 
-1. build needle prompts of one shape (:mod:`rfkit.evals.needles`) from the **train** split of
-   their filler (other sentences and other keys than ``rfkit eval needles`` asks);
+1. build needle prompts of one shape (:mod:`rfkit.data.needle_prompts`, the shapes of ``rfkit
+   eval needles``) from the **train** split of their filler (other sentences and other keys than
+   ``rfkit eval needles`` asks);
 2. for each prompt, the first answer token's *margin*: the log-probability of the key's first
    token minus the best other token's (above 0, the greedy answer starts with the key), with every
    state on, every state off and each layer's state alone off;
 3. the *targets* are the prompts the window alone quotes (every state off: margin above
-   ``min_margin``, 0 by default). Close
-   the layers whose state lowers the targets' margins most, one at a time (a layer's effect is
-   its mean change over the targets when its state alone is off; only layers with a positive
-   effect are candidates), measuring the targets again after each, until every target's margin is
-   above ``min_margin`` or ``max_layers`` are closed.
+   ``min_margin``, 0 by default). Close the layers whose state lowers the targets' margins most,
+   one at a time (a layer's effect is its mean change over the targets when its state alone is
+   off; only layers with a positive effect are candidates), measuring the targets again after
+   each, until every target's margin is above ``min_margin`` or ``max_layers`` are closed.
 
 Closing a layer's state sets its gates to 0 (the "state off" ablation of ``rfkit eval context``,
 made permanent): its replaced heads keep the trained window and nothing else. The cache keeps its
@@ -45,7 +45,7 @@ class StateAuditConfig:
     """What the audit asks (module docstring).
 
     Args:
-        shape: A one-key shape of :mod:`rfkit.evals.needles` whose filler is running text
+        shape: A one-key needle shape (:mod:`rfkit.data.needle_prompts`) whose filler is running text
             (``plays``, ``prose``): its sentences come from ``split``.
         lengths: Prompt lengths in tokens.
         depths: Where the key sits in the filler (1: the sentence before the question).
@@ -68,7 +68,7 @@ class StateAuditConfig:
     min_margin: float = 0.0
 
     def __post_init__(self):
-        from rfkit.evals.needles import SHAPES
+        from rfkit.data.needle_prompts import SHAPES
 
         running = [name for name, s in SHAPES.items() if s.needles == 1 and s.filler is not None]
         if self.shape not in running:
@@ -164,7 +164,7 @@ def audit(model: nn.Module, tokenizer, config: StateAuditConfig, close: bool = T
     ``model``. Returns the report: the prompts, the margins with every state on and off, each
     layer's change, the layers closed in order with the targets' margins after each, and whether
     every target is quoted at the end."""
-    from rfkit.evals import needles
+    from rfkit.data import needle_prompts as needles
 
     layers = stateful_layers(model)
     if not layers:
