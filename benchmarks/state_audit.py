@@ -1,8 +1,8 @@
 """The state audit of ``rfkit fit``'s ``state_audit`` section, on a model already trained: measure
 which layers' states turn a quote away and write a copy with those states closed.
 
-    python benchmarks/state_audit.py SRC DST [--max-layers 3] [--shape plays] [--lengths 2048]
-        [--depths 1] [--trials 8] [--seed 0] [--split train] [--min-margin 0]
+    python benchmarks/state_audit.py SRC DST [--max-layers 3] [--shape plays] [--lengths 2048,4096]
+        [--depths 1] [--trials 4] [--seed 0] [--split train] [--min-margin 0.5]
 
 The calibration prompts read the filler's ``--split`` (never the validation split that ``rfkit
 eval needles`` asks; :mod:`rfkit.training.state_audit`). ``DST`` is written as
@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dst", type=Path, help="the audited copy (must not exist)")
     parser.add_argument("--max-layers", type=int, default=3)
     parser.add_argument("--shape", default="plays")
-    parser.add_argument("--lengths", default="2048")
+    parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--depths", default="1")
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", default="train")
-    parser.add_argument("--min-margin", type=float, default=0.0)
+    parser.add_argument("--min-margin", type=float, default=0.5)
     parser.add_argument("--report", type=Path, default=None, help="where the report goes (default: see above)")
     args = parser.parse_args(argv)
     started = time.time()

@@ -26,6 +26,7 @@ class StateAudit(L.Callback):
         seed: Draws their keys and filler.
         split: The filler's split (``train`` or ``calibration``; never what ``rfkit eval needles`` reads).
         min_margin: The margin a quote must exceed (0: the greedy answer starts with the key).
+            Defaults: the settings measured in docs/hybrid.md.
     """
 
     FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin")
@@ -36,10 +37,10 @@ class StateAudit(L.Callback):
         shape: str = "plays",
         lengths: list[int] | None = None,
         depths: list[float] | None = None,
-        trials: int = 8,
+        trials: int = 4,
         seed: int = 0,
         split: str = "train",
-        min_margin: float = 0.0,
+        min_margin: float = 0.5,
     ):
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 0:
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
@@ -49,7 +50,7 @@ class StateAudit(L.Callback):
             from rfkit.training.state_audit import StateAuditConfig
 
             self.settings = StateAuditConfig(
-                shape=shape, lengths=list(lengths or [2048]), depths=list(depths or [1.0]), trials=trials,
+                shape=shape, lengths=list(lengths or [2048, 4096]), depths=list(depths or [1.0]), trials=trials,
                 seed=seed, split=split, max_layers=max_layers, min_margin=min_margin,
             )  # fmt: skip
 

@@ -226,6 +226,14 @@ def _results(metrics: dict | None) -> list[str]:
         )
     if _present(metrics, "cache_seq_len"):
         bullets.append(f"- Cache measured after a prefill of {_count(metrics['cache_seq_len'])} tokens")
+    audit = metrics.get("state_audit")
+    if isinstance(audit, dict) and audit.get("applied"):  # rfkit.training.state_audit, before the perplexity above
+        closed = ", ".join(map(str, audit.get("closed") or [])) or "none"
+        bullets.append(
+            f"- State audit: states closed (gates 0) in decoder layers {closed}, chosen after training on "
+            f"{len(audit.get('prompts') or [])} needle prompts from the {audit.get('config', {}).get('split', 'train')} split "
+            "(summary.json, `state_audit`)"
+        )
     if not rows and not bullets:
         return lines + ["Not measured.", ""]
     if rows:

@@ -14,7 +14,7 @@ prompts that no evaluation asks:
    token minus the best other token's (above 0, the greedy answer starts with the key), with every
    state on, every state off and each layer's state alone off;
 3. the *targets* are the prompts the window alone quotes (every state off: margin above
-   ``min_margin``, 0 by default). Close the layers whose state lowers the targets' margins most,
+   ``min_margin``, 0.5 by default). Close the layers whose state lowers the targets' margins most,
    one at a time (a layer's effect is its mean change over the targets when its state alone is
    off; only layers with a positive effect are candidates), measuring the targets again after
    each, until every target's margin is above ``min_margin`` or ``max_layers`` are closed.
@@ -55,17 +55,18 @@ class StateAuditConfig:
             ``validation`` split that ``rfkit eval needles`` reads).
         max_layers: Most states closed.
         min_margin: The margin a quote must exceed (0: the greedy answer starts with the key;
-            above 0 asks for quotes that a little noise cannot flip).
+            0.5, the default: the key's first token at least 1.6 times as likely as any other, a
+            quote that the change from these prompts to others does not flip).
     """
 
     shape: str = "plays"
-    lengths: list[int] = field(default_factory=lambda: [2048])
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096])
     depths: list[float] = field(default_factory=lambda: [1.0])
-    trials: int = 8
+    trials: int = 4
     seed: int = 0
     split: str = "train"
     max_layers: int = 3
-    min_margin: float = 0.0
+    min_margin: float = 0.5
 
     def __post_init__(self):
         from rfkit.data.needle_prompts import SHAPES

@@ -26,6 +26,8 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
     assert report["applied"] and report["config"]["split"] == "train" and report["config"]["max_layers"] == 2
     assert len(report["prompts"]) == 2 and len(report["layer_changes"]) == 2  # both tiny layers have a state
     assert "audit" in summary["phases"]
+    card = (run / "model" / "README.md").read_text()
+    assert f"states closed (gates 0) in decoder layers {', '.join(map(str, report['closed'])) or 'none'}" in card
 
     from safetensors.torch import load_file
 
