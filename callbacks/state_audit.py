@@ -58,6 +58,19 @@ class StateAudit(L.Callback):
         if self.settings is not None and trainer.world_size > 1:
             raise RFKitError(f"state_audit.max_layers: the audit runs in one process; this run has {trainer.world_size} (use 0)")
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Write the calibration prompts once before anything trains (the data module's tokenizer
+        is set up by now, the model not yet converted): lengths that cannot hold the template fail
+        here, not after training."""
+        if self.settings is None or stage != "fit":
+            return
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        if tokenizer is None:
+            raise RFKitError("state_audit: the data module has no tokenizer to write the calibration prompts with")
+        from rfkit.training.state_audit import calibration_records
+
+        calibration_records(tokenizer, self.settings)
+
     def on_train_start(self, trainer, pl_module) -> None:
         """Refuse a model without a state to close before training, not after it."""
         if self.settings is None or pl_module.head_map is None:
@@ -77,9 +90,7 @@ class StateAudit(L.Callback):
         from rfkit.training.state_audit import audit
         from rfkit.training.progress import phase
 
-        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-        if tokenizer is None:
-            raise RFKitError("state_audit: the data module has no tokenizer to write the calibration prompts with")
+        tokenizer = trainer.datamodule.tokenizer
         with phase(pl_module, "audit", "the states"):
             report = audit(pl_module.model, tokenizer, self.settings)
         pl_module.run_metrics["state_audit"] = report

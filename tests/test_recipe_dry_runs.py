@@ -9,7 +9,8 @@ overrides only the scale:
   ``llama2_b09*``, Qwen2 GQA with q/k/v biases for ``qwen2_*``, Llama GQA for the SmolLM2 ones);
 - the data: the tiny local corpus, short blocks, few of them; the long blocks at the tiny scale;
 - the length of everything: a few transfer and training steps, the freeze schedule's first
-  stage one step, windows measured in tokens scaled with the blocks;
+  stage one step, windows measured in tokens scaled with the blocks, one state-audit prompt of
+  256 tokens;
 - where it runs: ``accelerator: cpu`` with one device; FSDP through the test-only
   ``CPUFSDPStrategy`` (tests/training/test_ddp.py: Lightning refuses FSDP without a GPU), whose
   full-state checkpoint Lightning writes only from GPUs (``enable_checkpointing: false`` there).
@@ -98,6 +99,8 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
         stages = [dict(stage) for stage in model["freeze_schedule"]]
         stages[0]["steps"] = 1
         args += ["--model.freeze_schedule", json.dumps(stages)]
+    if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit's prompts: one, as long as the tiny model takes
+        args += ["--state_audit.lengths", "[256]", "--state_audit.trials", "1"]
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
         args += ["--trainer.strategy.class_path", "test_ddp.CPUFSDPStrategy", "--trainer.enable_checkpointing", "false"]
@@ -155,6 +158,10 @@ def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, t
     assert summary["ppl_converted"] > 1 and summary["train_tokens"] > 0
     if recipe["model"].get("transfer"):
         assert summary["transfer"]["steps_run"] == 2
+    if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit ran, on the recipe's own settings
+        audit = summary["state_audit"]
+        assert audit["applied"] and audit["config"]["min_margin"] == recipe["state_audit"]["min_margin"]
+        assert audit["config"]["max_layers"] == recipe["state_audit"]["max_layers"] and len(audit["prompts"]) == 1
     check_saved_model(run["model"], recipe)
 
 

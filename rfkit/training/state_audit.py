@@ -143,6 +143,26 @@ def close_states(model: nn.Module, layers) -> None:
                 gate.zero_()
 
 
+def calibration_records(tokenizer, config: StateAuditConfig) -> list[dict]:
+    """The audit's needle prompts (records as :func:`rfkit.data.needle_prompts.prompts` makes
+    them); a length too short for the template is one line naming ``state_audit.lengths``."""
+    from rfkit.data import needle_prompts as needles
+
+    shape = needles.SHAPES[config.shape]
+    for length in config.lengths:
+        try:
+            needles.trial(shape, tokenizer, int(length) - shape.new_tokens, 1.0, int(config.seed), 0, config.split)
+        except needles.PromptError:
+            raise RFKitError(
+                f"state_audit.lengths: {length} tokens cannot hold the {shape.name} prompt and its "
+                f"{shape.new_tokens}-token answer with this tokenizer; give longer lengths"
+            ) from None
+    return needles.prompts(
+        tokenizer, [shape], [int(n) for n in config.lengths], [float(d) for d in config.depths],
+        int(config.trials), int(config.seed), split=config.split,
+    )  # fmt: skip
+
+
 def choose(effect: dict[int, float], now: list[float], max_layers: int, close_and_measure, min_margin: float = 0.0) -> tuple[list[dict], list[float]]:
     """The greedy closing (module docstring, step 3). ``effect``: each layer's mean change of the
     targets' margins when its state alone is off; ``now``: the targets' margins with every state
@@ -165,15 +185,10 @@ def audit(model: nn.Module, tokenizer, config: StateAuditConfig, close: bool = T
     ``model``. Returns the report: the prompts, the margins with every state on and off, each
     layer's change, the layers closed in order with the targets' margins after each, and whether
     every target is quoted at the end."""
-    from rfkit.data import needle_prompts as needles
-
     layers = stateful_layers(model)
     if not layers:
         raise RFKitError("state_audit: the model has no mixer with a state to close (the hybrid operators have one)")
-    records = needles.prompts(
-        tokenizer, [needles.SHAPES[config.shape]], [int(n) for n in config.lengths], [float(d) for d in config.depths],
-        int(config.trials), int(config.seed), split=config.split,
-    )  # fmt: skip
+    records = calibration_records(tokenizer, config)
     prompts = prompt_pairs(tokenizer, records)
     was_training = model.training
     saved = {layer: [m.gate.detach().clone() for m in mixers] for layer, mixers in layers.items() if all(hasattr(m, "gate") for m in mixers)}

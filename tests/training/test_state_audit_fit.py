@@ -54,3 +54,15 @@ def test_bad_audit_settings_are_one_line_before_anything_loads(tiny_model_dir, t
     assert code == 2 and len(lines) == 1, err[-2000:]
     assert message in lines[0]
     assert not root.exists() or not any(root.rglob("*.json"))
+
+
+@pytest.mark.slow
+def test_lengths_that_cannot_hold_the_prompt_fail_before_training(tiny_model_dir, tiny_corpus, tmp_path, capsys, data_cache):
+    root = tmp_path / "runs"
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root), "--state_audit.max_layers", "1", "--state_audit.lengths", "[80]"]
+    code, out, err = run_cli(args, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert "state_audit.lengths: 80 tokens cannot hold the plays prompt" in lines[0]
+    assert "transfer" not in out and not list(root.rglob("summary.json"))
+
