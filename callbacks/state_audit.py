@@ -50,7 +50,8 @@ class StateAudit(L.Callback):
             from rfkit.training.state_audit import StateAuditConfig
 
             self.settings = StateAuditConfig(
-                shape=shape, lengths=list(lengths or [2048, 4096]), depths=list(depths or [1.0]), trials=trials,
+                shape=shape, lengths=list([2048, 4096] if lengths is None else lengths),
+                depths=list([1.0] if depths is None else depths), trials=trials,
                 seed=seed, split=split, max_layers=max_layers, min_margin=min_margin,
             )  # fmt: skip
 
@@ -59,9 +60,9 @@ class StateAudit(L.Callback):
             raise RFKitError(f"state_audit.max_layers: the audit runs in one process; this run has {trainer.world_size} (use 0)")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Write the calibration prompts once before anything trains (the data module's tokenizer
-        is set up by now, the model not yet converted): lengths that cannot hold the template fail
-        here, not after training."""
+        """Write the calibration prompts before anything trains (the data module's tokenizer is set
+        up by now, the model not yet converted; the audit writes the same prompts again at the end):
+        lengths that cannot hold the template fail here, not after training."""
         if self.settings is None or stage != "fit":
             return
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)

@@ -45,6 +45,7 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
         (["--state_audit.max_layers", "-1"], "state_audit.max_layers: must be an integer >= 0"),
         (["--state_audit.max_layers", "2", "--state_audit.split", "validation"], "state_audit.split: allowed: train, calibration"),
         (["--state_audit.max_layers", "2", "--state_audit.shape", "multi"], "state_audit.shape: allowed: prose, plays"),
+        (["--state_audit.max_layers", "2", "--state_audit.lengths", "[]"], "state_audit.lengths: give prompt lengths"),
     ],
 )
 def test_bad_audit_settings_are_one_line_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, args, message):
