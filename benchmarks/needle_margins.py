@@ -26,17 +26,15 @@ from tqdm.auto import tqdm
 
 from rfkit.atomic import atomic_write_json, atomic_write_text
 from rfkit.config.loading import load_model
-from rfkit.training.state_audit import margins, prompt_pairs
+from rfkit.training.state_audit import margins, prompt_pairs, stateful_layers, states_off
 from rfkit.evals import needles
 from rfkit.models.mixer import ablatable_mixers, ablate_states
-from rfkit.models.modeling import decoder_layers
 from rfkit.provenance import stamp
 
 
 def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int) -> dict:
     converted = load_model(model_dir)
-    mixers = ablatable_mixers(converted.model)
-    if not mixers:
+    if not ablatable_mixers(converted.model):
         raise SystemExit(f"{model_dir}: no mixer with a state to switch off (the hybrid and hybrid-Mamba operators have one)")
     tok = converted.tokenizer
     records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
@@ -48,12 +46,11 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     rows["every state on"] = margins(model, prompts)
     with ablate_states(model):
         rows["every state off"] = margins(model, prompts)
-    layer_of = {id(m): i for i, layer in enumerate(decoder_layers(model)) for m in layer.modules()}
     layers = []
-    for mixer in tqdm(mixers, desc="one state off", unit="layer"):
-        with mixer.state_ablation():
+    for layer, mixers in tqdm(stateful_layers(model).items(), desc="one state off", unit="layer"):
+        with states_off(mixers):
             got = margins(model, prompts)
-        layers.append({"layer": layer_of[id(mixer)], "margins": [g["margin"] for g in got]})
+        layers.append({"layer": layer, "margins": [g["margin"] for g in got]})
     for row in layers:
         row["change"] = [round(m - on["margin"], 4) for m, on in zip(row["margins"], rows["every state on"])]
     described = [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "key_token": k} for r, (_, k) in zip(records, prompts)]

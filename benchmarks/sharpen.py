@@ -60,26 +60,20 @@ def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] 
 def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = ()) -> Path:
     """Write ``DST`` (see the module docstring); returns it."""
     record = check(src, dst, sharpness, close)
-    import torch
 
     from rfkit.config.loading import load_model
     from rfkit.conversion.convert import save_converted
     from rfkit.conversion.headmap import HeadMap
     from rfkit.models.hybrid import HybridWindowAttention
-    from rfkit.models.modeling import decoder_layers
+    from rfkit.training.state_audit import close_states
 
     loaded = load_model(str(src))
     model = loaded.model
     blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
-    layers = decoder_layers(model)
     for block in blocks:
         if sharpness is not None:
             block.sharpness = float(sharpness)
-    with torch.no_grad():
-        for i in close:
-            for m in layers[i].modules():
-                if isinstance(m, HybridWindowAttention):
-                    m.gate.zero_()
+    close_states(model, close)
     model.config.rf_operator = record
     recipe = src / "config.yaml"
     save_converted(

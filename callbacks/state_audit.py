@@ -46,6 +46,7 @@ class StateAudit(L.Callback):
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
         self.max_layers = max_layers
         self.settings = None
+        self._records = None  # the calibration prompts, written in setup
         if max_layers:
             from rfkit.training.state_audit import StateAuditConfig
 
@@ -61,8 +62,8 @@ class StateAudit(L.Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Write the calibration prompts before anything trains (the data module's tokenizer is set
-        up by now, the model not yet converted; the audit writes the same prompts again at the end):
-        lengths that cannot hold the template fail here, not after training."""
+        up by now, the model not yet converted), kept for the audit at the end: lengths that cannot
+        hold the template fail here, not after training."""
         if self.settings is None or stage != "fit":
             return
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
@@ -70,7 +71,7 @@ class StateAudit(L.Callback):
             raise RFKitError("state_audit: the data module has no tokenizer to write the calibration prompts with")
         from rfkit.training.state_audit import calibration_records
 
-        calibration_records(tokenizer, self.settings)
+        self._records = calibration_records(tokenizer, self.settings)
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Refuse a model without a state to close before training, not after it."""
@@ -93,7 +94,7 @@ class StateAudit(L.Callback):
 
         tokenizer = trainer.datamodule.tokenizer
         with phase(pl_module, "audit", "the states"):
-            report = audit(pl_module.model, tokenizer, self.settings)
+            report = audit(pl_module.model, tokenizer, self.settings, records=self._records)
         pl_module.run_metrics["state_audit"] = report
         closed = ", ".join(map(str, report["closed"])) or "none"
         quoted = "every" if report["all_targets_quoted"] else "not every"

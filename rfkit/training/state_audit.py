@@ -128,6 +128,16 @@ def stateful_layers(model: nn.Module) -> dict[int, list[nn.Module]]:
     return found
 
 
+@contextlib.contextmanager
+def states_off(mixers):
+    """Within the block, the listed mixers (one layer's, from :func:`stateful_layers`) run
+    without their states; exactly as before after it."""
+    with contextlib.ExitStack() as stack:
+        for mixer in mixers:
+            stack.enter_context(mixer.state_ablation())
+        yield
+
+
 def close_states(model: nn.Module, layers) -> None:
     """Set the gates of the listed decoder layers' state mixers to 0: their window alone, for
     good (the state-off ablation made permanent)."""
@@ -149,18 +159,19 @@ def calibration_records(tokenizer, config: StateAuditConfig) -> list[dict]:
     from rfkit.data import needle_prompts as needles
 
     shape = needles.SHAPES[config.shape]
-    for length in config.lengths:
+    records = []
+    for length in config.lengths:  # length by length, in the order prompts() would give them
         try:
-            needles.trial(shape, tokenizer, int(length) - shape.new_tokens, 1.0, int(config.seed), 0, config.split)
+            records += needles.prompts(
+                tokenizer, [shape], [int(length)], [float(d) for d in config.depths], int(config.trials),
+                int(config.seed), split=config.split,
+            )  # fmt: skip
         except needles.PromptError:
             raise RFKitError(
                 f"state_audit.lengths: {length} tokens cannot hold the {shape.name} prompt and its "
                 f"{shape.new_tokens}-token answer with this tokenizer; give longer lengths"
             ) from None
-    return needles.prompts(
-        tokenizer, [shape], [int(n) for n in config.lengths], [float(d) for d in config.depths],
-        int(config.trials), int(config.seed), split=config.split,
-    )  # fmt: skip
+    return records
 
 
 def choose(effect: dict[int, float], now: list[float], max_layers: int, close_and_measure, min_margin: float = 0.0) -> tuple[list[dict], list[float]]:
@@ -180,15 +191,20 @@ def choose(effect: dict[int, float], now: list[float], max_layers: int, close_an
     return steps, now
 
 
-def audit(model: nn.Module, tokenizer, config: StateAuditConfig, close: bool = True, progress: bool = True) -> dict:
+def audit(
+    model: nn.Module, tokenizer, config: StateAuditConfig, close: bool = True, progress: bool = True,
+    records: list[dict] | None = None,
+) -> dict:
     """Measure (module docstring) and, with ``close``, close the chosen layers' states in
     ``model``. Returns the report: the prompts, the margins with every state on and off, each
     layer's change, the layers closed in order with the targets' margins after each, and whether
-    every target is quoted at the end."""
+    every target is quoted at the end. ``records``: :func:`calibration_records` already written
+    for ``config`` (None: written here)."""
     layers = stateful_layers(model)
     if not layers:
         raise RFKitError("state_audit: the model has no mixer with a state to close (the hybrid operators have one)")
-    records = calibration_records(tokenizer, config)
+    if records is None:
+        records = calibration_records(tokenizer, config)
     prompts = prompt_pairs(tokenizer, records)
     was_training = model.training
     saved = {layer: [m.gate.detach().clone() for m in mixers] for layer, mixers in layers.items() if all(hasattr(m, "gate") for m in mixers)}
@@ -201,9 +217,7 @@ def audit(model: nn.Module, tokenizer, config: StateAuditConfig, close: bool = T
         targets = [i for i, m in enumerate(off) if m > floor]
         changes = {}
         for layer, mixers in tqdm(layers.items(), desc="state audit", unit="layer", disable=not progress):
-            with contextlib.ExitStack() as stack:
-                for mixer in mixers:
-                    stack.enter_context(mixer.state_ablation())
+            with states_off(mixers):
                 got = margins(model, [prompts[i] for i in targets]) if targets else []
             changes[layer] = [round(g["margin"] - on[i], 4) for g, i in zip(got, targets)]
         effect = {layer: (sum(c) / len(c) if c else 0.0) for layer, c in changes.items()}
