@@ -40,7 +40,7 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
     prompts = prompt_pairs(tok, records)  # tokenized as rfkit eval needles tokenizes them
     original = load_model(model_dir, original=True).model.eval()
-    rows = {"original": margins(original, prompts)}
+    rows = {"original": margins(original, prompts)}  # "first": the first answer token's margin
     del original
     model = converted.model.eval()
     rows["every state on"] = margins(model, prompts)
@@ -50,14 +50,14 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     for layer, mixers in tqdm(stateful_layers(model).items(), desc="one state off", unit="layer"):
         with states_off(mixers):
             got = margins(model, prompts)
-        layers.append({"layer": layer, "margins": [g["margin"] for g in got]})
+        layers.append({"layer": layer, "margins": [g["first"] for g in got]})
     for row in layers:
-        row["change"] = [round(m - on["margin"], 4) for m, on in zip(row["margins"], rows["every state on"])]
-    described = [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "key_token": k} for r, (_, k) in zip(records, prompts)]
+        row["change"] = [round(m - on["first"], 4) for m, on in zip(row["margins"], rows["every state on"])]
+    described = [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "key_token": answer[0]} for r, (_, answer) in zip(records, prompts)]
     for d, on in zip(described, rows["every state on"]):
         d["top_with_state"] = tok.decode([on["top"]])
     return {"model": model_dir, "shape": shape, "lengths": lengths, "depths": depths, "trials": trials, "seed": seed,
-            "prompts": described, "rows": {k: [x["margin"] for x in v] for k, v in rows.items()}, "layers": layers}  # fmt: skip
+            "prompts": described, "rows": {k: [x["first"] for x in v] for k, v in rows.items()}, "layers": layers}  # fmt: skip
 
 
 def markdown(result: dict) -> str:

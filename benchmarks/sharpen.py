@@ -57,8 +57,9 @@ def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] 
     return operator.to_dict()
 
 
-def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = ()) -> Path:
-    """Write ``DST`` (see the module docstring); returns it."""
+def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = (), prepare=None) -> Path:
+    """Write ``DST`` (see the module docstring); returns it. ``prepare(model)``, when given, runs on
+    the loaded model before anything else changes it."""
     record = check(src, dst, sharpness, close)
 
     from rfkit.config.loading import load_model
@@ -69,6 +70,8 @@ def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...
 
     loaded = load_model(str(src))
     model = loaded.model
+    if prepare is not None:
+        prepare(model)
     blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
     for block in blocks:
         if sharpness is not None:

@@ -2,14 +2,18 @@
 which layers' states turn a quote away and write a copy with those states closed.
 
     python benchmarks/state_audit.py SRC DST [--max-layers 3] [--shape plays] [--lengths 2048,4096]
-        [--depths 1] [--trials 4] [--seed 0] [--split train] [--min-margin 0.5]
+        [--depths 1] [--trials 4] [--seed 0] [--split train] [--min-margin 0.5] [--guards long]
+        [--guard-depths 0,0.5] [--gates-from CKPT]
 
 The calibration prompts read the filler's ``--split`` (never the validation split that ``rfkit
 eval needles`` asks; :mod:`rfkit.training.state_audit`). ``DST`` is written as
 ``benchmarks/sharpen.py --close-states`` writes it (same weights, the chosen layers' gates at 0),
 with ``state_audit.json`` (the report, with provenance) beside its weights. When no layer is
-closed, ``DST`` is not written and the report goes to ``DST.state_audit.json``. ``--report PATH``
-writes it there instead, in both cases. Bad settings get one line naming the field and exit code 2 before the model
+closed (and no ``--gates-from``), ``DST`` is not written and the report goes to ``DST.state_audit.json``. ``--report PATH``
+writes it there instead, in both cases. ``--gates-from`` audits again a model that ``rfkit fit``
+already audited: every state gate is first set to its value in that fit's checkpoint
+(``checkpoints/last.ckpt``, written before the fit's own audit closed any), so the audit starts
+from the trained model, not from the closings of an older audit. Bad settings get one line naming the field and exit code 2 before the model
 loads.
 """
 
@@ -21,6 +25,26 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def reopen(model, checkpoint: Path) -> list[str]:
+    """Set every state gate of ``model`` to its value in a fit's ``checkpoint`` (the LightningModule
+    holds the model as ``model``); returns the gates whose values changed."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    changed = []
+    with torch.no_grad():
+        for name, gate in model.named_parameters():
+            if not name.endswith("mixer.gate"):
+                continue
+            saved = state.get("model." + name)
+            if saved is None or saved.shape != gate.shape:
+                raise SystemExit(f"--gates-from: {checkpoint} has no gate {name!r} of shape {tuple(gate.shape)}; not this model's fit")
+            if not torch.equal(saved.to(gate.dtype), gate):
+                changed.append(name)
+            gate.copy_(saved)
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", default="train")
     parser.add_argument("--min-margin", type=float, default=0.5)
+    parser.add_argument("--guards", default="long", help="guard shapes, comma separated ('' for none)")
+    parser.add_argument("--guard-depths", default="0,0.5")
+    parser.add_argument("--gates-from", type=Path, default=None, help="a fit's checkpoint whose state gates the model starts from")
     parser.add_argument("--report", type=Path, default=None, help="where the report goes (default: see above)")
     args = parser.parse_args(argv)
     started = time.time()
@@ -48,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         config = StateAuditConfig(
             shape=args.shape, lengths=[int(x) for x in args.lengths.split(",")], depths=[float(x) for x in args.depths.split(",")],
             trials=args.trials, seed=args.seed, split=args.split, max_layers=args.max_layers, min_margin=args.min_margin,
+            guards=[g for g in args.guards.split(",") if g], guard_depths=[float(x) for x in args.guard_depths.split(",") if x],
         )  # fmt: skip
         check(args.src, args.dst, None)
+        if args.gates_from is not None and not args.gates_from.is_file():
+            raise ValueError(f"--gates-from: {args.gates_from} is not a file (a fit's checkpoints/last.ckpt)")
     except (RFKitError, ValueError) as exc:
         print(f"state_audit.py: error: {exc}", file=sys.stderr)
         return 2
@@ -58,16 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     from rfkit.provenance import stamp
 
     loaded = load_model(str(args.src))
+    if args.gates_from is not None:
+        report_gates = reopen(loaded.model, args.gates_from)
     report = audit(loaded.model, loaded.tokenizer, config, close=False)
     del loaded
     report["model"] = str(args.src)
+    if args.gates_from is not None:
+        report["gates_from"] = {"checkpoint": str(args.gates_from), "reset": report_gates}
     closed = tuple(report["closed"])
-    if closed:
-        sharpen(args.src, args.dst, None, closed)
+    if closed or args.gates_from is not None:  # the reopened model is new even with nothing closed
+        sharpen(args.src, args.dst, None, closed, None if args.gates_from is None else lambda model: reopen(model, args.gates_from))
         report["audited_model"] = str(args.dst)
     else:
         print(f"{args.src}: no state closed ({len(report['targets'])} targets); {args.dst} not written")
-    out = args.report or (args.dst / "state_audit.json" if closed else args.dst.with_name(args.dst.name + ".state_audit.json"))
+    out = args.report or (args.dst / "state_audit.json" if "audited_model" in report else args.dst.with_name(args.dst.name + ".state_audit.json"))
     atomic_write_json(out, stamp(report, started))
     quoted = "every" if report["all_targets_quoted"] else "not every"
     print(f"closed layers {', '.join(map(str, closed)) or 'none'}; {quoted} calibration key the window alone quotes is quoted")

@@ -25,11 +25,14 @@ class StateAudit(L.Callback):
         trials: Prompts per length and depth.
         seed: Draws their keys and filler.
         split: The filler's split (``train`` or ``calibration``; never what ``rfkit eval needles`` reads).
-        min_margin: The margin a quote must exceed (0: the greedy answer starts with the key).
+        min_margin: The margin a quote must exceed (0: the greedy answer is the key).
+        guards: Shapes whose quotes with every state on a closing must keep (``long``, ``prose``,
+            ``plays``; ``[]``: none): far keys the states carry.
+        guard_depths: Where the guards' keys sit.
             Defaults: the settings measured in docs/hybrid.md.
     """
 
-    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin")
+    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths")
 
     def __init__(
         self,
@@ -41,6 +44,8 @@ class StateAudit(L.Callback):
         seed: int = 0,
         split: str = "train",
         min_margin: float = 0.5,
+        guards: list[str] | None = None,
+        guard_depths: list[float] | None = None,
     ):
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 0:
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
@@ -54,6 +59,8 @@ class StateAudit(L.Callback):
                 shape=shape, lengths=list([2048, 4096] if lengths is None else lengths),
                 depths=list([1.0] if depths is None else depths), trials=trials,
                 seed=seed, split=split, max_layers=max_layers, min_margin=min_margin,
+                guards=list(["long"] if guards is None else guards),
+                guard_depths=list([0.0, 0.5] if guard_depths is None else guard_depths),
             )  # fmt: skip
 
     def on_fit_start(self, trainer, pl_module) -> None:

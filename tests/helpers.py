@@ -308,3 +308,17 @@ def one_state_open(converted, dest: Path) -> tuple[str, list[str]]:
     tensors[scale] = torch.full_like(tensors[scale], 5.0)
     save_file(tensors, weights, metadata={"format": "pt"})
     return first, gates
+
+
+def floor_the_state_turns_away(on: list[float], off: list[float]) -> float:
+    """A state audit floor (``min_margin``) for a model with one state open, given every prompt's
+    margin with that state on and off: the prompts above it with the state off (the targets) are
+    lowered by the state on average and at least one is at or below it with the state on, so the
+    audit must close that state, after which every target is quoted. Fails when no such floor is."""
+    values = sorted(set(off))
+    for low, high in zip(values, values[1:]):
+        floor = (low + high) / 2
+        targets = [i for i, m in enumerate(off) if m > floor]
+        if sum(off[i] - on[i] for i in targets) > 0 and any(on[i] <= floor for i in targets):
+            return floor
+    raise AssertionError(f"the open state lowers no quote here: on {on}, off {off}")

@@ -233,6 +233,7 @@ def _results(metrics: dict | None) -> list[str]:
             f"- State audit: states closed (gates 0) in decoder layers {closed}, chosen after training on "
             f"{len(audit.get('prompts') or [])} needle prompts from the {audit.get('config', {}).get('split', 'train')} split "
             "(summary.json, `state_audit`)"
+            + (f"; closings undone because a guard prompt lost its key: layers {', '.join(map(str, audit['refused']))}" if audit.get("refused") else "")
         )
     if not rows and not bullets:
         return lines + ["Not measured.", ""]

@@ -10,19 +10,25 @@ prompts that no evaluation asks:
 1. build needle prompts of one shape (:mod:`rfkit.data.needle_prompts`, the shapes of ``rfkit
    eval needles``) from the **train** split of their filler (other sentences and other keys than
    ``rfkit eval needles`` asks);
-2. for each prompt, the first answer token's *margin*: the log-probability of the key's first
-   token minus the best other token's (above 0, the greedy answer starts with the key), with every
-   state on, every state off and each layer's state alone off;
+2. for each prompt, the key's *margin*: with the key's tokens following the prompt (teacher
+   forced), at each of them the log-probability of the key's token minus the best other token's,
+   and the smallest of these (above 0: the greedy answer is the whole key), with every state on,
+   every state off and each layer's state alone off;
 3. the *targets* are the prompts the window alone quotes (every state off: margin above
    ``min_margin``, 0.5 by default). Close the layers whose state lowers the targets' margins most,
    one at a time (a layer's effect is its mean change over the targets when its state alone is
    off; only layers with a positive effect are candidates), measuring the targets again after
-   each, until every target's margin is above ``min_margin`` or ``max_layers`` are closed.
+   each, until every target's margin is above ``min_margin`` or ``max_layers`` are closed;
+4. *guards* keep what the states hold: prompts of other shapes (``guards``: by default the
+   20-digit key of the ``long`` shape at depths 0 and 0.5, far outside the window) that the model
+   quotes with every state on. A closing that leaves a guard's margin at or below
+   ``min(min_margin, its margin before / 2)`` is undone and the next candidate tried (at most
+   ``2 * max_layers`` tries): a state that carries a far key is not closed to quote a near one.
 
 Closing a layer's state sets its gates to 0 (the "state off" ablation of ``rfkit eval context``,
 made permanent): its replaced heads keep the trained window and nothing else. The cache keeps its
-shape. The audit asks ``2 + (layers with a state)`` forwards per prompt, then one per prompt per
-closed layer.
+shape. The audit asks ``2 + (layers with a state)`` forwards per target prompt and one per guard,
+then one per prompt of both kinds per closing tried.
 """
 
 from __future__ import annotations
@@ -54,9 +60,13 @@ class StateAuditConfig:
         split: The filler's split the prompts read (``train`` or ``calibration``; never the
             ``validation`` split that ``rfkit eval needles`` reads).
         max_layers: Most states closed.
-        min_margin: The margin a quote must exceed (0: the greedy answer starts with the key;
-            0.5, the default: the key's first token at least 1.6 times as likely as any other, a
-            quote that the change from these prompts to others does not flip).
+        min_margin: The margin a quote must exceed (0: the greedy answer is the key; 0.5, the
+            default: each of the key's tokens at least 1.6 times as likely as any other, a quote
+            that the change from these prompts to others does not flip).
+        guards: One-key shapes whose prompts guard what the states hold (module docstring, step
+            4); their running text reads ``split`` too; ``passkey`` is not allowed (its keys are
+            the evaluation's). Empty: no guard.
+        guard_depths: Where the guards' keys sit (0: the start of the filler).
     """
 
     shape: str = "plays"
@@ -67,6 +77,8 @@ class StateAuditConfig:
     split: str = "train"
     max_layers: int = 3
     min_margin: float = 0.5
+    guards: list[str] = field(default_factory=lambda: ["long"])
+    guard_depths: list[float] = field(default_factory=lambda: [0.0, 0.5])
 
     def __post_init__(self):
         from rfkit.data.needle_prompts import SHAPES
@@ -74,6 +86,11 @@ class StateAuditConfig:
         running = [name for name, s in SHAPES.items() if s.needles == 1 and s.filler is not None]
         if self.shape not in running:
             raise RFKitError(f"state_audit.shape: allowed: {', '.join(running)} (one key in running text); got {self.shape!r}")
+        guarding = [name for name, s in SHAPES.items() if s.needles == 1 and name != "passkey"]
+        if isinstance(self.guards, str) or any(g not in guarding for g in self.guards):
+            raise RFKitError(f"state_audit.guards: a list of: {', '.join(guarding)} (one key; passkey's keys are the evaluation's), or []; got {self.guards!r}")
+        if (self.guards and not self.guard_depths) or any(not 0.0 <= float(d) <= 1.0 for d in self.guard_depths):
+            raise RFKitError(f"state_audit.guard_depths: give depths between 0 and 1; got {self.guard_depths!r}")
         if self.split not in ("train", "calibration"):
             raise RFKitError(f"state_audit.split: allowed: train, calibration (rfkit eval needles reads validation); got {self.split!r}")
         if not self.lengths or any(int(n) < 64 for n in self.lengths):
@@ -87,33 +104,42 @@ class StateAuditConfig:
                 raise RFKitError(f"state_audit.{name}: must be an integer >= 1, got {getattr(self, name)!r}")
 
 
-def key_token(tokenizer, text: str, key: int) -> int:
-    """The first token the model must produce after ``text`` to answer ``key`` (the key's
-    leading space merged as the tokenizer merges it)."""
+def answer_tokens(tokenizer, text: str, key: int) -> list[int]:
+    """The tokens the model must produce after ``text`` to answer ``key`` (the key's leading space
+    merged as the tokenizer merges it)."""
     full = tokenizer(text + f" {key}")["input_ids"]
     prompt = tokenizer(text)["input_ids"]
-    if full[: len(prompt)] != prompt:
-        raise RFKitError("the prompt's tokens change when the key follows it; cannot name the answer's first token")
-    return full[len(prompt)]
+    if full[: len(prompt)] != prompt or len(full) == len(prompt):
+        raise RFKitError("the prompt's tokens change when the key follows it; cannot name the answer's tokens")
+    return full[len(prompt) :]
 
 
-def prompt_pairs(tokenizer, records: list[dict]) -> list[tuple[torch.Tensor, int]]:
-    """``(ids (1, L), key's first token)`` for each needle record, tokenized as ``rfkit eval
-    needles`` tokenizes it."""
-    return [(tokenizer(r["text"], return_tensors="pt").input_ids, key_token(tokenizer, r["text"], r["key"])) for r in records]
+def prompt_pairs(tokenizer, records: list[dict]) -> list[tuple[torch.Tensor, list[int]]]:
+    """``(ids (1, L), the key's tokens)`` for each needle record, the prompt tokenized as ``rfkit
+    eval needles`` tokenizes it."""
+    return [(tokenizer(r["text"], return_tensors="pt").input_ids, answer_tokens(tokenizer, r["text"], r["key"])) for r in records]
 
 
 @torch.no_grad()
-def margins(model: nn.Module, prompts: list[tuple[torch.Tensor, int]]) -> list[dict]:
-    """Per prompt: ``{"margin", "top"}``, the key token's log-probability minus the best other
-    token's at the answering position, and the best token's id."""
+def margins(model: nn.Module, prompts: list[tuple[torch.Tensor, list[int]]]) -> list[dict]:
+    """Per prompt, with the key's tokens following it (teacher forced; one forward): at each key
+    token the log-probability of that token minus the best other token's. ``{"margin"}``: the
+    smallest (above 0: the greedy answer is the whole key), ``"first"``: the first token's,
+    ``"top"``: the best token at the answering position, ``"weakest"``: which key token has the
+    smallest."""
     device = next(model.parameters()).device
     out = []
-    for ids, key in prompts:
-        logp = model(input_ids=ids.to(device), use_cache=False).logits[0, -1].float().log_softmax(-1)
+    for ids, answer in prompts:
+        given = torch.cat([ids, torch.tensor([answer[:-1]], dtype=ids.dtype)], dim=1).to(device)
+        logp = model(input_ids=given, use_cache=False, logits_to_keep=len(answer)).logits[0].float().log_softmax(-1)
+        rows = torch.arange(len(answer), device=logp.device)
+        wanted = torch.tensor(answer, device=logp.device)
+        right = logp[rows, wanted]
         other = logp.clone()
-        other[key] = float("-inf")
-        out.append({"margin": round(float(logp[key] - other.max()), 4), "top": int(logp.argmax())})
+        other[rows, wanted] = float("-inf")
+        each = right - other.max(-1).values
+        weakest = int(each.argmin())
+        out.append({"margin": round(float(each[weakest]), 4), "first": round(float(each[0]), 4), "top": int(logp[0].argmax()), "weakest": weakest})
     return out
 
 
@@ -155,39 +181,74 @@ def close_states(model: nn.Module, layers) -> None:
 
 def calibration_records(tokenizer, config: StateAuditConfig) -> list[dict]:
     """The audit's needle prompts (records as :func:`rfkit.data.needle_prompts.prompts` makes
-    them); a length too short for the template is one line naming ``state_audit.lengths``."""
+    them): the targets' shape, then each guard shape (``"guard": True``); a length too short for a
+    template is one line naming ``state_audit.lengths``."""
     from rfkit.data import needle_prompts as needles
 
-    shape = needles.SHAPES[config.shape]
+    asked = [(config.shape, config.depths, False)] + [(g, config.guard_depths, True) for g in config.guards]
     records = []
-    for length in config.lengths:  # length by length, in the order prompts() would give them
-        try:
-            records += needles.prompts(
-                tokenizer, [shape], [int(length)], [float(d) for d in config.depths], int(config.trials),
-                int(config.seed), split=config.split,
-            )  # fmt: skip
-        except needles.PromptError:
-            raise RFKitError(
-                f"state_audit.lengths: {length} tokens cannot hold the {shape.name} prompt and its "
-                f"{shape.new_tokens}-token answer with this tokenizer; give longer lengths"
-            ) from None
+    for name, depths, guard in asked:
+        shape = needles.SHAPES[name]
+        for length in config.lengths:  # length by length, in the order prompts() would give them
+            try:
+                made = needles.prompts(
+                    tokenizer, [shape], [int(length)], [float(d) for d in depths], int(config.trials),
+                    int(config.seed), split=config.split,
+                )  # fmt: skip
+            except needles.PromptError:
+                raise RFKitError(
+                    f"state_audit.lengths: {length} tokens cannot hold the {shape.name} prompt and its "
+                    f"{shape.new_tokens}-token answer with this tokenizer; give longer lengths"
+                ) from None
+            records += [{**r, "guard": guard} for r in made]
     return records
 
 
-def choose(effect: dict[int, float], now: list[float], max_layers: int, close_and_measure, min_margin: float = 0.0) -> tuple[list[dict], list[float]]:
-    """The greedy closing (module docstring, step 3). ``effect``: each layer's mean change of the
-    targets' margins when its state alone is off; ``now``: the targets' margins with every state
-    on; ``close_and_measure(layer)`` closes that layer's state and returns the targets' margins.
-    Returns the steps taken (``{"layer", "effect", "target_margins"}`` each) and the margins at
-    the end. Stops when every target is quoted (margin above ``min_margin``), when no layer with a positive
-    effect is left, or after ``max_layers`` closings."""
+def guard_floor(before: float, min_margin: float) -> float:
+    """The margin a guard must keep after a closing: ``min(min_margin, before / 2)`` (module
+    docstring, step 4)."""
+    return min(min_margin, before / 2)
+
+
+def try_closing(model: nn.Module, mixers, prompts, targets: list[int], guards: list[int], before: list[float], min_margin: float) -> dict:
+    """Close one layer's state (``mixers``, from :func:`stateful_layers`) and measure the targets and
+    guards (indices into ``prompts``); when a guard's margin falls to :func:`guard_floor` of its
+    margin ``before`` or below, give the gates back. ``{"kept", "target_margins", "guard_margins",
+    "guards_lost"}``."""
+    gates = [m.gate.detach().clone() for m in mixers]
+    with torch.no_grad():
+        for mixer in mixers:
+            mixer.gate.zero_()
+    got = [m["margin"] for m in margins(model, [prompts[i] for i in targets + guards])]
+    aimed, guarded = got[: len(targets)], got[len(targets) :]
+    lost = [i for i, m in zip(guards, guarded) if m <= guard_floor(before[i], min_margin)]
+    if lost:  # a state that carries a far key stays open
+        with torch.no_grad():
+            for mixer, gate in zip(mixers, gates):
+                mixer.gate.copy_(gate)
+    return {"kept": not lost, "target_margins": aimed, "guard_margins": guarded, "guards_lost": lost}
+
+
+def choose(
+    effect: dict[int, float], now: list[float], max_layers: int, try_close, min_margin: float = 0.0, max_tries: int | None = None,
+) -> tuple[list[dict], list[float]]:
+    """The greedy closing (module docstring, steps 3 and 4). ``effect``: each layer's mean change
+    of the targets' margins when its state alone is off; ``now``: the targets' margins with every
+    state on; ``try_close(layer)`` closes that layer's state and returns ``{"kept", "target_margins",
+    ...}`` (``kept`` False: a guard fell, the closing undone). Returns every step tried
+    (``{"layer", "effect", **try_close's}``) and the targets' margins at the end. Stops when every
+    target is quoted (margin above ``min_margin``), when no layer with a positive effect is left,
+    after ``max_layers`` kept closings or ``max_tries`` tries (``2 * max_layers`` by default)."""
     candidates = sorted((layer for layer, e in effect.items() if e > 0), key=lambda layer: (-effect[layer], layer))
     steps: list[dict] = []
-    for layer in candidates[:max_layers]:
-        if all(m > min_margin for m in now):
+    kept = 0
+    for layer in candidates[: 2 * max_layers if max_tries is None else max_tries]:
+        if kept >= max_layers or all(m > min_margin for m in now):
             break
-        now = close_and_measure(layer)
-        steps.append({"layer": layer, "effect": round(effect[layer], 4), "target_margins": now})
+        step = try_close(layer)
+        steps.append({"layer": layer, "effect": round(effect[layer], 4), **step})
+        if step["kept"]:
+            now, kept = step["target_margins"], kept + 1
     return steps, now
 
 
@@ -196,25 +257,33 @@ def audit(
     records: list[dict] | None = None,
 ) -> dict:
     """Measure (module docstring) and, with ``close``, close the chosen layers' states in
-    ``model``. Returns the report: the prompts, the margins with every state on and off, each
-    layer's change, the layers closed in order with the targets' margins after each, and whether
-    every target is quoted at the end. ``records``: :func:`calibration_records` already written
-    for ``config`` (None: written here)."""
+    ``model``. Returns the report: the prompts, the margins with every state on and (targets' shape)
+    off, each layer's change, every closing tried in order with the margins after it and whether it
+    was kept, the layers closed, and whether every target is quoted at the end. ``records``:
+    :func:`calibration_records` already written for ``config`` (None: written here)."""
     layers = stateful_layers(model)
     if not layers:
         raise RFKitError("state_audit: the model has no mixer with a state to close (the hybrid operators have one)")
+    gateless = sorted({type(m).__name__ for mixers in layers.values() for m in mixers if not isinstance(getattr(m, "gate", None), nn.Parameter)})
+    if gateless:
+        raise RFKitError(f"state_audit: {', '.join(gateless)} has no gate to close")
     if records is None:
         records = calibration_records(tokenizer, config)
     prompts = prompt_pairs(tokenizer, records)
+    aimed = [i for i, r in enumerate(records) if not r.get("guard")]
     was_training = model.training
-    saved = {layer: [m.gate.detach().clone() for m in mixers] for layer, mixers in layers.items() if all(hasattr(m, "gate") for m in mixers)}
+    saved = {layer: [m.gate.detach().clone() for m in mixers] for layer, mixers in layers.items()}
     model.eval()
     try:
         on = [m["margin"] for m in margins(model, prompts)]
         with ablate_states(model):
-            off = [m["margin"] for m in margins(model, prompts)]
+            off_aimed = [m["margin"] for m in margins(model, [prompts[i] for i in aimed])]
+        off = [None] * len(records)
+        for i, m in zip(aimed, off_aimed):
+            off[i] = m
         floor = float(config.min_margin)
-        targets = [i for i, m in enumerate(off) if m > floor]
+        targets = [i for i in aimed if off[i] > floor]
+        guards = [i for i, r in enumerate(records) if r.get("guard") and on[i] > 0]
         changes = {}
         for layer, mixers in tqdm(layers.items(), desc="state audit", unit="layer", disable=not progress):
             with states_off(mixers):
@@ -222,11 +291,10 @@ def audit(
             changes[layer] = [round(g["margin"] - on[i], 4) for g, i in zip(got, targets)]
         effect = {layer: (sum(c) / len(c) if c else 0.0) for layer, c in changes.items()}
 
-        def close_and_measure(layer: int) -> list[float]:
-            close_states(model, [layer])
-            return [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
+        def try_close(layer: int) -> dict:
+            return try_closing(model, layers[layer], prompts, targets, guards, on, floor)
 
-        steps, now = choose(effect, [on[i] for i in targets], config.max_layers, close_and_measure, floor)
+        steps, now = choose(effect, [on[i] for i in targets], config.max_layers, try_close, floor)
     finally:
         if not close:  # measured only (or stopped by an error): every gate as it was
             with torch.no_grad():
@@ -236,14 +304,18 @@ def audit(
         model.train(was_training)
     return {
         "config": asdict(config),
-        "prompts": [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"]} for r in records],
+        "prompts": [
+            {"shape": r["shape"], "length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "guard": bool(r.get("guard"))}
+            for r in records
+        ],
         "every_state_on": on,
         "every_state_off": off,
         "targets": targets,
+        "guards": guards,
         "layer_changes": {str(k): v for k, v in changes.items()},
-        "closed": [s["layer"] for s in steps],
+        "closed": [s["layer"] for s in steps if s["kept"]],
+        "refused": [s["layer"] for s in steps if not s["kept"]],
         "steps": steps,
         "all_targets_quoted": all(m > floor for m in now),
         "applied": bool(close),
     }
-

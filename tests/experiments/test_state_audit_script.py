@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from helpers import load_script, one_state_open
+from helpers import floor_the_state_turns_away, load_script, one_state_open
 
-SMALL = ["--lengths", "192", "--depths", "0.5", "--trials", "3"]
+SMALL = ["--lengths", "160", "--depths", "0,0.5,1", "--trials", "3", "--guards", ""]
 
 
 @pytest.mark.slow
@@ -24,9 +24,7 @@ def test_the_audited_copy_has_the_chosen_state_closed(converted_dir, tmp_path):
     measured = json.loads((tmp_path / "none.state_audit.json").read_text())
     assert measured["closed"] == [] and not (tmp_path / "none").exists() and "provenance" in measured
     on, off = measured["every_state_on"], measured["every_state_off"]
-    worst = max(range(len(on)), key=lambda i: off[i] - on[i])
-    assert off[worst] > on[worst]
-    floor = (on[worst] + off[worst]) / 2  # a quote the opened state turns away
+    floor = floor_the_state_turns_away(on, off)  # quotes the opened state turns away
     dst = tmp_path / "audited"
     assert script.main([str(src), str(dst), *SMALL, "--min-margin", str(floor)]) == 0
     report = json.loads((dst / "state_audit.json").read_text())
@@ -48,3 +46,29 @@ def test_bad_settings_are_one_line_and_exit_2(converted_dir, tmp_path, capsys, a
     assert script.main([str(converted_dir), str(tmp_path / "dst"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.slow
+def test_gates_from_a_fits_checkpoint_start_the_audit_from_the_trained_gates(converted_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    script = load_script("benchmarks/state_audit.py")
+    src = tmp_path / "model"
+    first, gates = one_state_open(converted_dir, src)  # as a fit's own audit leaves it: closed gates
+    weights = load_file(next(src.glob("*.safetensors")))
+    trained = {name: torch.full_like(weights[name], 0.5) for name in gates}  # what training left
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"model." + name: value for name, value in trained.items()}}, ckpt)
+    dst = tmp_path / "reopened"
+    # nothing closed (a floor below every margin), yet the copy is written: its gates are new
+    assert script.main([str(src), str(dst), *SMALL, "--min-margin", "-1000", "--gates-from", str(ckpt)]) == 0
+    report = json.loads((dst / "state_audit.json").read_text())
+    assert report["closed"] == [] and report["gates_from"] == {"checkpoint": str(ckpt), "reset": gates}
+    got = load_file(next(dst.glob("*.safetensors")))
+    assert all(torch.equal(got[name], trained[name]) for name in gates)
+    # a checkpoint of another model, or no file: one line, exit 2 or a stop naming the flag
+    assert script.main([str(src), str(tmp_path / "x"), *SMALL, "--gates-from", str(tmp_path / "missing.ckpt")]) == 2
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+    with pytest.raises(SystemExit, match="--gates-from: .* has no gate"):
+        script.main([str(src), str(tmp_path / "y"), *SMALL, "--gates-from", str(tmp_path / "other.ckpt")])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import one_state_open
+from helpers import floor_the_state_turns_away, one_state_open
 from rfkit.errors import RFKitError
 
 
@@ -20,7 +20,7 @@ def tokenizer(tiny_model_dir):
 def _settings(**kw):
     from rfkit.training.state_audit import StateAuditConfig
 
-    return StateAuditConfig(**{"lengths": [192], "trials": 2, "max_layers": 2, **kw})
+    return StateAuditConfig(**{"lengths": [192], "trials": 2, "max_layers": 2, "guards": [], **kw})
 
 
 def test_calibration_prompts_read_the_train_split_and_other_keys(tokenizer):
@@ -53,6 +53,9 @@ def test_calibration_prompts_read_the_train_split_and_other_keys(tokenizer):
         ("trials", 0, "state_audit.trials"),
         ("max_layers", 0, "state_audit.max_layers"),
         ("min_margin", float("nan"), "state_audit.min_margin"),
+        ("guards", ["passkey"], "state_audit.guards: a list of: prose, plays, long"),
+        ("guards", "long", "state_audit.guards"),
+        ("guard_depths", [-0.1], "state_audit.guard_depths"),
     ],
 )
 def test_bad_settings_name_the_field(field, value, message):
@@ -81,27 +84,25 @@ def test_audit_measures_each_state_and_closes_the_one_that_lowers_a_quote(conver
     model, tok = _load(tmp_path / "model")
     before = _gates(model)
     # every prompt a target (a floor below every margin): each layer's change on each prompt
-    measured = audit(model, tok, _settings(depths=[0.5], trials=3, min_margin=-1e6), close=False, progress=False)
+    measured = audit(model, tok, _settings(lengths=[160], depths=[0.0, 0.5, 1.0], trials=3, min_margin=-1e6), close=False, progress=False)
     assert all(torch.equal(before[n], p) for n, p in _gates(model).items())  # close=False leaves every gate
     on, off = measured["every_state_on"], measured["every_state_off"]
-    assert len(measured["prompts"]) == 3 and measured["targets"] == [0, 1, 2]
+    assert len(measured["prompts"]) == 9 and measured["targets"] == list(range(9)) and measured["guards"] == []
     assert measured["closed"] == [] and measured["all_targets_quoted"]  # every margin is above the floor
     changes = {int(k): v for k, v in measured["layer_changes"].items()}
     assert changes[opened] == [round(b - a, 4) for a, b in zip(on, off)] and any(c != 0 for c in changes[opened])
     assert all(c == 0 for layer, change in changes.items() if layer != opened for c in change)  # closed gates
 
-    # a floor between one prompt's margins with and without the state: a quote the state turns away
-    worst = max(range(3), key=lambda i: off[i] - on[i])
-    assert off[worst] > on[worst], f"the opened state lowers no margin here: {on} vs {off}"
-    floor = (on[worst] + off[worst]) / 2
-    done = audit(model, tok, _settings(depths=[0.5], trials=3, min_margin=floor), progress=False)
-    assert done["targets"] == [i for i, m in enumerate(off) if m > floor] and worst in done["targets"]
+    # a floor the open state keeps some quotes below: the audit must close it
+    floor = floor_the_state_turns_away(on, off)
+    done = audit(model, tok, _settings(lengths=[160], depths=[0.0, 0.5, 1.0], trials=3, min_margin=floor), progress=False)
+    assert done["targets"] == [i for i, m in enumerate(off) if m > floor]
     assert done["closed"] == [opened] and done["all_targets_quoted"]
     for name, gate in _gates(model).items():
         layer = int(name.split(".layers.")[1].split(".")[0])
         assert torch.equal(gate, torch.zeros_like(gate) if layer == opened else before[name])
     # the targets' margins after the closing are the closed model's: the window's alone
-    records = needles.prompts(tok, [needles.SHAPES["plays"]], [192], [0.5], 3, 0, split="train")
+    records = needles.prompts(tok, [needles.SHAPES["plays"]], [160], [0.0, 0.5, 1.0], 3, 0, split="train")
     now = [m["margin"] for m in margins(model, [prompt_pairs(tok, records)[i] for i in done["targets"]])]
     assert now == done["steps"][-1]["target_margins"] == [off[i] for i in done["targets"]]
 
@@ -113,21 +114,92 @@ def test_the_greedy_closing_takes_the_strongest_state_first_and_stops_when_every
     after = {5: [0.1, -0.2], 12: [0.3, 0.1], 3: [0.4, 0.2]}  # the targets' margins once that layer is closed too
     asked = []
 
-    def close_and_measure(layer):
+    def try_close(layer):
         asked.append(layer)
-        return after[layer]
+        return {"kept": True, "target_margins": after[layer]}
 
-    steps, now = choose(effect, [-0.5, -0.6], 3, close_and_measure)
+    steps, now = choose(effect, [-0.5, -0.6], 3, try_close)
     assert asked == [5, 12] and now == [0.3, 0.1]  # 5, then 12: both keys quoted, so 3 stays open
-    assert [s["layer"] for s in steps] == [5, 12] and steps[0] == {"layer": 5, "effect": 0.7, "target_margins": [0.1, -0.2]}
+    assert [s["layer"] for s in steps] == [5, 12] and steps[0] == {"layer": 5, "effect": 0.7, "kept": True, "target_margins": [0.1, -0.2]}
     asked.clear()
-    steps, now = choose(effect, [-0.5, -0.6], 1, close_and_measure)  # max_layers
+    steps, now = choose(effect, [-0.5, -0.6], 1, try_close)  # max_layers
     assert asked == [5] and now == [0.1, -0.2]
     asked.clear()
-    assert choose(effect, [0.2, 0.1], 3, close_and_measure) == ([], [0.2, 0.1]) and not asked  # already quoted
+    assert choose(effect, [0.2, 0.1], 3, try_close) == ([], [0.2, 0.1]) and not asked  # already quoted
     # a layer whose state helps the quotes (negative effect) is never closed
-    steps, _ = choose({9: -0.4, 1: 0.0}, [-0.5], 3, close_and_measure)
+    steps, _ = choose({9: -0.4, 1: 0.0}, [-0.5], 3, try_close)
     assert steps == [] and not asked
+
+
+def test_a_closing_a_guard_refuses_does_not_count_and_the_next_layer_is_tried():
+    from rfkit.training.state_audit import choose, guard_floor
+
+    effect = {5: 0.7, 12: 0.5, 3: 0.2, 7: 0.1}
+    refuse = {5}  # closing 5 costs a guard its key: undone, margins unchanged
+
+    def try_close(layer):
+        if layer in refuse:
+            return {"kept": False, "target_margins": [0.9, 0.9], "guards_lost": [4]}
+        return {"kept": True, "target_margins": {12: [0.1, -0.1], 3: [0.6, 0.7], 7: [0.8, 0.8]}[layer], "guards_lost": []}
+
+    steps, now = choose(effect, [-0.5, -0.6], 2, try_close, min_margin=0.5)
+    assert [(s["layer"], s["kept"]) for s in steps] == [(5, False), (12, True), (3, True)] and now == [0.6, 0.7]
+    # at most 2 * max_layers tries, refused or not
+    refuse.update({12, 3, 7})
+    steps, now = choose(effect, [-0.5, -0.6], 1, try_close, min_margin=0.5)
+    assert [s["layer"] for s in steps] == [5, 12] and now == [-0.5, -0.6]
+    # what a guard must keep: never more than the floor, half its margin when it had less
+    assert guard_floor(3.0, 0.5) == 0.5 and guard_floor(0.4, 0.5) == 0.2
+
+
+@pytest.mark.slow
+def test_a_closing_that_costs_a_guard_its_key_gives_the_gates_back(converted_dir, tmp_path):
+    from rfkit.evals import needles
+    from rfkit.training.state_audit import margins, prompt_pairs, stateful_layers, try_closing
+
+    one_state_open(converted_dir, tmp_path / "model")
+    model, tok = _load(tmp_path / "model")
+    before = _gates(model)
+    records = needles.prompts(tok, [needles.SHAPES["plays"], needles.SHAPES["long"]], [192], [0.0], 1, 0, split="train")
+    prompts = prompt_pairs(tok, records)
+    assert len(prompts[1][1]) > 10  # the long key: every one of its tokens is asked
+    layer, mixers = next(iter(stateful_layers(model).items()))
+    # a guard that had a margin of 1e9 must keep more than the floor (1e9 here): it cannot, so undone
+    got = try_closing(model, mixers, prompts, [0], [1], [0.0, 1e9], 1e9)
+    assert got["kept"] is False and got["guards_lost"] == [1]
+    assert all(torch.equal(before[n], p) for n, p in _gates(model).items())
+    # a floor every margin clears: kept, the layer's gates at 0, margins those of the closed model
+    got = try_closing(model, mixers, prompts, [0], [1], [0.0, 1e9], -1e9)
+    assert got["kept"] is True and got["guards_lost"] == []
+    for name, gate in _gates(model).items():
+        closed = f".layers.{layer}." in name
+        assert torch.equal(gate, torch.zeros_like(gate) if closed else before[name])
+    assert [got["target_margins"][0], got["guard_margins"][0]] == [m["margin"] for m in margins(model, prompts)]
+
+
+def test_the_margin_is_the_weakest_token_of_the_whole_key(converted_dir):
+    from rfkit.config.loading import load_model
+    from rfkit.evals import needles
+    from rfkit.training.state_audit import margins, prompt_pairs
+
+    loaded = load_model(str(converted_dir))
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    record = needles.prompts(tok, [needles.SHAPES["long"]], [192], [0.5], 1, 0, split="train")[0]
+    [(ids, answer)] = prompt_pairs(tok, [record])
+    assert tok.decode(answer).strip() == str(record["key"])
+    [got] = margins(model, [(ids, answer)])
+    # by hand: one forward per answer token, the prompt and the key's tokens before it
+    each = []
+    with torch.no_grad():
+        for j, token in enumerate(answer):
+            given = torch.cat([ids, torch.tensor([answer[:j]], dtype=ids.dtype)], dim=1)
+            logp = model(input_ids=given).logits[0, -1].float().log_softmax(-1)
+            other = logp.clone()
+            other[token] = float("-inf")
+            each.append(float(logp[token] - other.max()))
+    assert got["margin"] == pytest.approx(min(each), abs=1e-3) and got["first"] == pytest.approx(each[0], abs=1e-3)
+    assert got["weakest"] == min(range(len(each)), key=each.__getitem__)
+    assert got["top"] == int(model(input_ids=ids).logits[0, -1].argmax())
 
 
 def test_a_model_without_a_state_is_refused(converted_dir):

@@ -24,7 +24,10 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
     summary = json.loads((run / "summary.json").read_text())
     report = summary["state_audit"]
     assert report["applied"] and report["config"]["split"] == "train" and report["config"]["max_layers"] == 2
-    assert len(report["prompts"]) == 2 and len(report["layer_changes"]) == 2  # both tiny layers have a state
+    assert len(report["layer_changes"]) == 2  # both tiny layers have a state
+    # two target prompts, then the default guards: the long key at depths 0 and 0.5, two each
+    assert [(p["shape"], p["depth"], p["guard"]) for p in report["prompts"]] == [("plays", 1.0, False)] * 2 + [("long", 0.0, True)] * 2 + [("long", 0.5, True)] * 2
+    assert set(report["guards"]) <= {2, 3, 4, 5} and set(report["targets"]) <= {0, 1}
     assert "audit" in summary["phases"]
     card = (run / "model" / "README.md").read_text()
     assert f"states closed (gates 0) in decoder layers {', '.join(map(str, report['closed'])) or 'none'}" in card
