@@ -3,7 +3,7 @@ which layers' states turn a quote away and write a copy with those states closed
 
     python benchmarks/state_audit.py SRC DST [--max-layers 3] [--shape plays] [--lengths 2048,4096]
         [--depths 1] [--trials 4] [--seed 0] [--split train] [--min-margin 0.5] [--guards long]
-        [--guard-depths 0,0.5] [--gates-from CKPT]
+        [--guard-depths 0,0.5] [--no-heads] [--gates-from CKPT]
 
 The calibration prompts read the filler's ``--split`` (never the validation split that ``rfkit
 eval needles`` asks; :mod:`rfkit.training.state_audit`). ``DST`` is written as
@@ -61,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-margin", type=float, default=0.5)
     parser.add_argument("--guards", default="long", help="guard shapes, comma separated ('' for none)")
     parser.add_argument("--guard-depths", default="0,0.5")
+    parser.add_argument("--no-heads", action="store_true", help="a layer a guard refuses stays open (no head-by-head tries)")
     parser.add_argument("--gates-from", type=Path, default=None, help="a fit's checkpoint whose state gates the model starts from")
     parser.add_argument("--report", type=Path, default=None, help="where the report goes (default: see above)")
     args = parser.parse_args(argv)
     started = time.time()
 
     from rfkit.atomic import atomic_write_json
-    from rfkit.training.state_audit import StateAuditConfig, audit
+    from rfkit.conversion.model_card import describe_closed
+    from rfkit.training.state_audit import StateAuditConfig, audit, close_states
     from rfkit.errors import RFKitError
     from sharpen import check, sharpen
 
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             shape=args.shape, lengths=[int(x) for x in args.lengths.split(",")], depths=[float(x) for x in args.depths.split(",")],
             trials=args.trials, seed=args.seed, split=args.split, max_layers=args.max_layers, min_margin=args.min_margin,
             guards=[g for g in args.guards.split(",") if g], guard_depths=[float(x) for x in args.guard_depths.split(",") if x],
+            heads=not args.no_heads,
         )  # fmt: skip
         check(args.src, args.dst, None)
         if args.gates_from is not None and not args.gates_from.is_file():
@@ -96,15 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.gates_from is not None:
         report["gates_from"] = {"checkpoint": str(args.gates_from), "reset": report_gates}
     closed = tuple(report["closed"])
+
+    def prepare(model):  # the gates the audit started from, then its closings (whole layers or heads)
+        if args.gates_from is not None:
+            reopen(model, args.gates_from)
+        close_states(model, closed, report["closed_heads"])
+
     if closed or args.gates_from is not None:  # the reopened model is new even with nothing closed
-        sharpen(args.src, args.dst, None, closed, None if args.gates_from is None else lambda model: reopen(model, args.gates_from))
+        sharpen(args.src, args.dst, None, (), prepare)
         report["audited_model"] = str(args.dst)
     else:
         print(f"{args.src}: no state closed ({len(report['targets'])} targets); {args.dst} not written")
     out = args.report or (args.dst / "state_audit.json" if "audited_model" in report else args.dst.with_name(args.dst.name + ".state_audit.json"))
     atomic_write_json(out, stamp(report, started))
     quoted = "every" if report["all_targets_quoted"] else "not every"
-    print(f"closed layers {', '.join(map(str, closed)) or 'none'}; {quoted} calibration key the window alone quotes is quoted")
+    print(f"closed layers {describe_closed(report)}; {quoted} calibration key the window alone quotes is quoted")
     return 0
 
 

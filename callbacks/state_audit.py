@@ -29,10 +29,11 @@ class StateAudit(L.Callback):
         guards: Shapes whose quotes with every state on a closing must keep (``long``, ``prose``,
             ``plays``; ``[]``: none): far keys the states carry.
         guard_depths: Where the guards' keys sit.
+        heads: When a guard refuses a layer's closing, try its heads one by one.
             Defaults: the settings measured in docs/hybrid.md.
     """
 
-    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths")
+    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths", "heads")
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class StateAudit(L.Callback):
         min_margin: float = 0.5,
         guards: list[str] | None = None,
         guard_depths: list[float] | None = None,
+        heads: bool = True,
     ):
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 0:
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
@@ -60,7 +62,7 @@ class StateAudit(L.Callback):
                 depths=list([1.0] if depths is None else depths), trials=trials,
                 seed=seed, split=split, max_layers=max_layers, min_margin=min_margin,
                 guards=list(["long"] if guards is None else guards),
-                guard_depths=list([0.0, 0.5] if guard_depths is None else guard_depths),
+                guard_depths=list([0.0, 0.5] if guard_depths is None else guard_depths), heads=heads,
             )  # fmt: skip
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -96,6 +98,7 @@ class StateAudit(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.settings is None or pl_module.head_map is None:
             return
+        from rfkit.conversion.model_card import describe_closed
         from rfkit.training.state_audit import audit
         from rfkit.training.progress import phase
 
@@ -103,6 +106,6 @@ class StateAudit(L.Callback):
         with phase(pl_module, "audit", "the states"):
             report = audit(pl_module.model, tokenizer, self.settings, records=self._records)
         pl_module.run_metrics["state_audit"] = report
-        closed = ", ".join(map(str, report["closed"])) or "none"
+        closed = describe_closed(report)
         quoted = "every" if report["all_targets_quoted"] else "not every"
         print(f"state audit: closed the states of layers {closed}; {quoted} calibration key the window alone quotes is quoted")

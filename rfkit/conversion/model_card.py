@@ -228,7 +228,7 @@ def _results(metrics: dict | None) -> list[str]:
         bullets.append(f"- Cache measured after a prefill of {_count(metrics['cache_seq_len'])} tokens")
     audit = metrics.get("state_audit")
     if isinstance(audit, dict) and audit.get("applied"):  # rfkit.training.state_audit, before the perplexity above
-        closed = ", ".join(map(str, audit.get("closed") or [])) or "none"
+        closed = describe_closed(audit)
         bullets.append(
             f"- State audit: states closed (gates 0) in decoder layers {closed}, chosen after training on "
             f"{len(audit.get('prompts') or [])} needle prompts from the {audit.get('config', {}).get('split', 'train')} split "
@@ -308,3 +308,11 @@ def refresh_card(text: str, head_map: HeadMap) -> str:
     else:
         body = body.rstrip("\n") + "\n\n" + how
     return "\n".join(_front_matter(head_map, True)) + "\n" + body.rstrip("\n") + "\n"
+
+
+def describe_closed(report: dict) -> str:
+    """A state audit report's closings (:mod:`rfkit.training.state_audit`) in words: ``5 (heads 0,
+    3), 21, 20`` or ``none``."""
+    heads = report.get("closed_heads") or {}
+    parts = [f"{layer} (heads {', '.join(map(str, heads[str(layer)]))})" if str(layer) in heads else str(layer) for layer in report.get("closed") or []]
+    return ", ".join(parts) or "none"

@@ -23,12 +23,18 @@ prompts that no evaluation asks:
    20-digit key of the ``long`` shape at depths 0 and 0.5, far outside the window) that the model
    quotes with every state on. A closing that leaves a guard's margin at or below
    ``min(min_margin, its margin before / 2)`` is undone and the next candidate tried (at most
-   ``2 * max_layers`` tries): a state that carries a far key is not closed to quote a near one.
+   ``2 * max_layers`` tries): a state that carries a far key is not closed to quote a near one;
+5. with ``heads`` (the default), a layer whose closing a guard refused is tried head by head: each
+   open head's effect on the targets alone, then the heads with a positive effect closed one at a
+   time, strongest first, each kept when no guard falls (one head of a layer may carry the far
+   key while another turns the near one away). A layer with any head closed counts as one of the
+   ``max_layers``.
 
 Closing a layer's state sets its gates to 0 (the "state off" ablation of ``rfkit eval context``,
 made permanent): its replaced heads keep the trained window and nothing else. The cache keeps its
 shape. The audit asks ``2 + (layers with a state)`` forwards per target prompt and one per guard,
-then one per prompt of both kinds per closing tried.
+then one per prompt of both kinds per closing tried (and, in a refused layer, ``1 + its heads``
+per target prompt). The logits are computed in float32 (:func:`float32_logits`).
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class StateAuditConfig:
             4); their running text reads ``split`` too; ``passkey`` is not allowed (its keys are
             the evaluation's). Empty: no guard.
         guard_depths: Where the guards' keys sit (0: the start of the filler).
+        heads: When a guard refuses a layer's closing, try that layer's heads one by one (module
+            docstring, step 5).
     """
 
     shape: str = "plays"
@@ -79,6 +87,7 @@ class StateAuditConfig:
     min_margin: float = 0.5
     guards: list[str] = field(default_factory=lambda: ["long"])
     guard_depths: list[float] = field(default_factory=lambda: [0.0, 0.5])
+    heads: bool = True
 
     def __post_init__(self):
         from rfkit.data.needle_prompts import SHAPES
@@ -99,6 +108,8 @@ class StateAuditConfig:
             raise RFKitError(f"state_audit.depths: give depths between 0 and 1; got {self.depths!r}")
         if isinstance(self.min_margin, bool) or not isinstance(self.min_margin, (int, float)) or not math.isfinite(self.min_margin):
             raise RFKitError(f"state_audit.min_margin: must be a finite number, got {self.min_margin!r}")
+        if not isinstance(self.heads, bool):
+            raise RFKitError(f"state_audit.heads: true or false, got {self.heads!r}")
         for name in ("trials", "max_layers"):
             if int(getattr(self, name)) < 1:
                 raise RFKitError(f"state_audit.{name}: must be an integer >= 1, got {getattr(self, name)!r}")
@@ -120,6 +131,27 @@ def prompt_pairs(tokenizer, records: list[dict]) -> list[tuple[torch.Tensor, lis
     return [(tokenizer(r["text"], return_tensors="pt").input_ids, answer_tokens(tokenizer, r["text"], r["key"])) for r in records]
 
 
+@contextlib.contextmanager
+def float32_logits(model: nn.Module):
+    """Within the block, the output projection (``lm_head``) computes in float32 from the last
+    hidden state, whatever the model's dtype: a bf16 logit of about 20 is rounded to 1/8, coarser
+    than the margins the audit compares."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        yield
+        return
+
+    def exact(module, inputs, output):
+        bias = None if module.bias is None else module.bias.float()
+        return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
+
+    handle = head.register_forward_hook(exact)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def margins(model: nn.Module, prompts: list[tuple[torch.Tensor, list[int]]]) -> list[dict]:
     """Per prompt, with the key's tokens following it (teacher forced; one forward): at each key
@@ -131,7 +163,8 @@ def margins(model: nn.Module, prompts: list[tuple[torch.Tensor, list[int]]]) -> 
     out = []
     for ids, answer in prompts:
         given = torch.cat([ids, torch.tensor([answer[:-1]], dtype=ids.dtype)], dim=1).to(device)
-        logp = model(input_ids=given, use_cache=False, logits_to_keep=len(answer)).logits[0].float().log_softmax(-1)
+        with float32_logits(model):
+            logp = model(input_ids=given, use_cache=False, logits_to_keep=len(answer)).logits[0].float().log_softmax(-1)
         rows = torch.arange(len(answer), device=logp.device)
         wanted = torch.tensor(answer, device=logp.device)
         right = logp[rows, wanted]
@@ -164,10 +197,18 @@ def states_off(mixers):
         yield
 
 
-def close_states(model: nn.Module, layers) -> None:
+def gate_slots(mixers) -> list[tuple[nn.Module, int]]:
+    """One layer's heads with a state, in order: ``(mixer, index into its gate)``; a head's number
+    in the report is its place in this list (the layer's query heads the mixers replace)."""
+    return [(mixer, h) for mixer in mixers for h in range(mixer.gate.numel())]
+
+
+def close_states(model: nn.Module, layers, heads: dict | None = None) -> None:
     """Set the gates of the listed decoder layers' state mixers to 0: their window alone, for
-    good (the state-off ablation made permanent)."""
+    good (the state-off ablation made permanent). ``heads``: layer -> the heads
+    (:func:`gate_slots`' numbers) to close there instead of all."""
     found = stateful_layers(model)
+    heads = {int(k): v for k, v in (heads or {}).items()}
     for i in layers:
         if i not in found:
             raise RFKitError(f"state_audit: layer {i} has no state to close; layers with one: {', '.join(map(str, found))}")
@@ -175,8 +216,14 @@ def close_states(model: nn.Module, layers) -> None:
             gate = getattr(mixer, "gate", None)
             if not isinstance(gate, nn.Parameter):
                 raise RFKitError(f"state_audit: {type(mixer).__name__} has no gate to close")
-            with torch.no_grad():
-                gate.zero_()
+        slots = gate_slots(found[i])
+        chosen = heads.get(i, range(len(slots)))
+        if any(not 0 <= h < len(slots) for h in chosen):
+            raise RFKitError(f"state_audit: layer {i} has {len(slots)} heads with a state; got heads {list(chosen)}")
+        with torch.no_grad():
+            for h in chosen:
+                mixer, at = slots[h]
+                mixer.gate[at] = 0.0
 
 
 def calibration_records(tokenizer, config: StateAuditConfig) -> list[dict]:
@@ -210,15 +257,20 @@ def guard_floor(before: float, min_margin: float) -> float:
     return min(min_margin, before / 2)
 
 
-def try_closing(model: nn.Module, mixers, prompts, targets: list[int], guards: list[int], before: list[float], min_margin: float) -> dict:
-    """Close one layer's state (``mixers``, from :func:`stateful_layers`) and measure the targets and
-    guards (indices into ``prompts``); when a guard's margin falls to :func:`guard_floor` of its
-    margin ``before`` or below, give the gates back. ``{"kept", "target_margins", "guard_margins",
-    "guards_lost"}``."""
+def try_closing(
+    model: nn.Module, mixers, prompts, targets: list[int], guards: list[int], before: list[float], min_margin: float,
+    heads: list[int] | None = None,
+) -> dict:
+    """Close one layer's state (``mixers``, from :func:`stateful_layers`; ``heads``: only those of
+    :func:`gate_slots`) and measure the targets and guards (indices into ``prompts``); when a
+    guard's margin falls to :func:`guard_floor` of its margin ``before`` or below, give the gates
+    back. ``{"kept", "target_margins", "guard_margins", "guards_lost"}``."""
     gates = [m.gate.detach().clone() for m in mixers]
+    slots = gate_slots(mixers)
     with torch.no_grad():
-        for mixer in mixers:
-            mixer.gate.zero_()
+        for h in range(len(slots)) if heads is None else heads:
+            mixer, at = slots[h]
+            mixer.gate[at] = 0.0
     got = [m["margin"] for m in margins(model, [prompts[i] for i in targets + guards])]
     aimed, guarded = got[: len(targets)], got[len(targets) :]
     lost = [i for i, m in zip(guards, guarded) if m <= guard_floor(before[i], min_margin)]
@@ -227,6 +279,35 @@ def try_closing(model: nn.Module, mixers, prompts, targets: list[int], guards: l
             for mixer, gate in zip(mixers, gates):
                 mixer.gate.copy_(gate)
     return {"kept": not lost, "target_margins": aimed, "guard_margins": guarded, "guards_lost": lost}
+
+
+def try_heads(model: nn.Module, mixers, prompts, targets: list[int], guards: list[int], before: list[float], min_margin: float) -> dict:
+    """A layer whose whole closing a guard refused, head by head (module docstring, step 5): each
+    open head's effect on the targets (its gate alone at 0), then each head with a positive effect
+    closed in turn, strongest first, kept when no guard falls. ``{"kept", "heads" (closed),
+    "head_effects", "target_margins", "guard_margins", "guards_lost"}`` (margins after the last
+    kept head, or of the last refused one when none is kept)."""
+    slots = gate_slots(mixers)
+    now = [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
+    effects = {}
+    for h, (mixer, at) in enumerate(slots):
+        if float(mixer.gate.detach()[at]) <= 0:  # already closed (clamped at 0 in the operator)
+            continue
+        saved = mixer.gate.detach().clone()
+        with torch.no_grad():
+            mixer.gate[at] = 0.0
+        got = [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
+        with torch.no_grad():
+            mixer.gate.copy_(saved)
+        effects[h] = round(sum(g - n for g, n in zip(got, now)) / len(now), 4) if now else 0.0
+    closed, last = [], {"target_margins": now, "guard_margins": [], "guards_lost": []}
+    for h in sorted((h for h, e in effects.items() if e > 0), key=lambda h: (-effects[h], h)):
+        step = try_closing(model, mixers, prompts, targets, guards, before, min_margin, [h])
+        if step["kept"]:
+            closed.append(h)
+        if step["kept"] or not closed:
+            last = step
+    return {"kept": bool(closed), "heads": closed, "head_effects": {str(h): e for h, e in effects.items()}, **{k: last[k] for k in ("target_margins", "guard_margins", "guards_lost")}}
 
 
 def choose(
@@ -292,7 +373,10 @@ def audit(
         effect = {layer: (sum(c) / len(c) if c else 0.0) for layer, c in changes.items()}
 
         def try_close(layer: int) -> dict:
-            return try_closing(model, layers[layer], prompts, targets, guards, on, floor)
+            whole = try_closing(model, layers[layer], prompts, targets, guards, on, floor)
+            if whole["kept"] or not config.heads:
+                return {**whole, "heads": None}
+            return {**try_heads(model, layers[layer], prompts, targets, guards, on, floor), "whole_layer": whole}
 
         steps, now = choose(effect, [on[i] for i in targets], config.max_layers, try_close, floor)
     finally:
@@ -314,7 +398,8 @@ def audit(
         "guards": guards,
         "layer_changes": {str(k): v for k, v in changes.items()},
         "closed": [s["layer"] for s in steps if s["kept"]],
-        "refused": [s["layer"] for s in steps if not s["kept"]],
+        "closed_heads": {str(s["layer"]): s["heads"] for s in steps if s["kept"] and s["heads"] is not None},
+        "refused": [s["layer"] for s in steps if not s["kept"] or s["heads"] is not None],
         "steps": steps,
         "all_targets_quoted": all(m > floor for m in now),
         "applied": bool(close),

@@ -209,3 +209,71 @@ def test_a_model_without_a_state_is_refused(converted_dir):
     original = load_model(str(converted_dir), original=True)
     with pytest.raises(RFKitError, match="no mixer with a state"):
         audit(original.model, original.tokenizer, _settings(), progress=False)
+
+
+@pytest.mark.slow
+def test_a_refused_layer_is_tried_head_by_head(converted_dir, tmp_path):
+    from rfkit.evals import needles
+    from rfkit.training.state_audit import close_states, gate_slots, margins, prompt_pairs, stateful_layers, try_heads
+
+    one_state_open(converted_dir, tmp_path / "model")
+    model, tok = _load(tmp_path / "model")
+    before = _gates(model)
+    records = needles.prompts(tok, [needles.SHAPES["plays"], needles.SHAPES["long"]], [160], [0.0, 0.5, 1.0], 1, 0, split="train")
+    prompts = prompt_pairs(tok, records)
+    layer, mixers = next(iter(stateful_layers(model).items()))  # the open one
+    slots = gate_slots(mixers)
+    assert len(slots) > 1
+    targets, guards = [0, 1, 2], [3]
+    now = [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
+    # no guard can fall (floor far below): every head with a positive effect is closed, the rest stay
+    got = try_heads(model, mixers, prompts, targets, guards, [0.0] * 6, -1e9)
+    effects = {int(h): e for h, e in got["head_effects"].items()}
+    assert sorted(effects) == list(range(len(slots)))  # every head open at the start was measured
+    mixer, at = slots[0]  # its effect: its gate alone at 0, the targets' mean change
+    model_again, _ = _load(tmp_path / "model")
+    m0, a0 = gate_slots(next(iter(stateful_layers(model_again).values())))[0]
+    with torch.no_grad():
+        m0.gate[a0] = 0.0
+    alone = [m["margin"] for m in margins(model_again, [prompts[i] for i in targets])]
+    assert effects[0] == pytest.approx(sum(a - n for a, n in zip(alone, now)) / len(now), abs=1e-3)
+    helped = sorted(h for h, e in effects.items() if e > 0)
+    assert sorted(got["heads"]) == helped and got["kept"] == bool(helped), (effects, now)
+    for h, (mixer, at) in enumerate(slots):
+        assert (float(mixer.gate.detach()[at]) == 0.0) == (h in helped)
+    # a guard that must keep 1e9: no head is kept, every gate as it was
+    model, tok = _load(tmp_path / "model")
+    layer, mixers = next(iter(stateful_layers(model).items()))
+    got = try_heads(model, mixers, prompts, targets, guards, [0.0, 0.0, 0.0, 1e9], 1e9)
+    assert got["kept"] is False and got["heads"] == [] and got["guards_lost"] == [3]
+    assert all(torch.equal(before[n], p) for n, p in _gates(model).items())
+    # close_states closes only the heads named
+    close_states(model, [layer], {layer: [1]})
+    assert [float(m.gate.detach()[at]) == 0.0 for m, at in gate_slots(mixers)] == [h == 1 for h in range(len(slots))]
+    with pytest.raises(RFKitError, match=f"layer {layer} has {len(slots)} heads"):
+        close_states(model, [layer], {layer: [len(slots)]})
+
+
+def test_margins_read_float32_logits_from_a_bf16_model(converted_dir):
+    from rfkit.config.loading import load_model
+    from rfkit.training.state_audit import float32_logits
+
+    model = load_model(str(converted_dir)).model.eval().to(torch.bfloat16)
+    ids = torch.arange(5, 40).view(1, -1)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with float32_logits(model):
+            exact = model(input_ids=ids, output_hidden_states=True)
+    assert plain.dtype == torch.bfloat16 and exact.logits.dtype == torch.float32
+    hidden = exact.hidden_states[-1].float()
+    want = hidden @ model.get_output_embeddings().weight.float().T
+    torch.testing.assert_close(exact.logits, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the hook is gone after the block
+        assert model(input_ids=ids).logits.dtype == torch.bfloat16
+
+
+def test_closings_in_words():
+    from rfkit.conversion.model_card import describe_closed
+
+    assert describe_closed({"closed": [21, 5, 20], "closed_heads": {"5": [0, 3]}}) == "21, 5 (heads 0, 3), 20"
+    assert describe_closed({"closed": []}) == "none"

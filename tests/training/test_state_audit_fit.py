@@ -30,14 +30,17 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
     assert set(report["guards"]) <= {2, 3, 4, 5} and set(report["targets"]) <= {0, 1}
     assert "audit" in summary["phases"]
     card = (run / "model" / "README.md").read_text()
-    assert f"states closed (gates 0) in decoder layers {', '.join(map(str, report['closed'])) or 'none'}" in card
+    from rfkit.conversion.model_card import describe_closed
+
+    assert f"states closed (gates 0) in decoder layers {describe_closed(report)}" in card
 
     from safetensors.torch import load_file
 
     weights = load_file(next((run / "model").glob("*.safetensors")))
     gates = {int(k.split(".layers.")[1].split(".")[0]): v for k, v in weights.items() if k.endswith("mixer.gate")}
-    for layer in report["closed"]:
-        assert not gates[layer].any()  # the saved model is the audited one
+    for layer in report["closed"]:  # the saved model is the audited one
+        shut = report["closed_heads"].get(str(layer), range(gates[layer].numel()))
+        assert not gates[layer][list(shut)].any()
     for layer in set(gates) - set(report["closed"]):  # training opened the others' gates
         assert gates[layer].any()
 
