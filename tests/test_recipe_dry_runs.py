@@ -99,8 +99,8 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
         stages = [dict(stage) for stage in model["freeze_schedule"]]
         stages[0]["steps"] = 1
         args += ["--model.freeze_schedule", json.dumps(stages)]
-    if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit's prompts: one, as long as the tiny model takes
-        args += ["--state_audit.lengths", "[256]", "--state_audit.trials", "1"]
+    if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit's prompts: one per shape and depth, within the tiny model
+        args += ["--state_audit.lengths", "[288]", "--state_audit.trials", "1"]  # the long guard needs 257 with this tokenizer
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
         args += ["--trainer.strategy.class_path", "test_ddp.CPUFSDPStrategy", "--trainer.enable_checkpointing", "false"]
@@ -161,7 +161,12 @@ def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, t
     if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit ran, on the recipe's own settings
         audit = summary["state_audit"]
         assert audit["applied"] and audit["config"]["min_margin"] == recipe["state_audit"]["min_margin"]
-        assert audit["config"]["max_layers"] == recipe["state_audit"]["max_layers"] and len(audit["prompts"]) == 1
+        assert audit["config"]["max_layers"] == recipe["state_audit"]["max_layers"]
+        for key in ("guards", "guard_depths", "heads"):
+            if key in recipe["state_audit"]:
+                assert audit["config"][key] == recipe["state_audit"][key]
+        guards = len(audit["config"]["guards"]) * len(audit["config"]["guard_depths"])  # one trial each
+        assert [p["guard"] for p in audit["prompts"]] == [False] + [True] * guards
     check_saved_model(run["model"], recipe)
 
 
