@@ -372,13 +372,21 @@ def audit(
             changes[layer] = [round(g["margin"] - on[i], 4) for g, i in zip(got, targets)]
         effect = {layer: (sum(c) / len(c) if c else 0.0) for layer, c in changes.items()}
 
+        bar = tqdm(total=2 * config.max_layers, desc="state audit: closings", unit="try", disable=not progress)
+
         def try_close(layer: int) -> dict:
+            bar.set_postfix_str(f"layer {layer}")
             whole = try_closing(model, layers[layer], prompts, targets, guards, on, floor)
             if whole["kept"] or not config.heads:
+                bar.update(1)
                 return {**whole, "heads": None}
-            return {**try_heads(model, layers[layer], prompts, targets, guards, on, floor), "whole_layer": whole}
+            bar.set_postfix_str(f"layer {layer}: a guard refused it; head by head")
+            step = {**try_heads(model, layers[layer], prompts, targets, guards, on, floor), "whole_layer": whole}
+            bar.update(1)
+            return step
 
-        steps, now = choose(effect, [on[i] for i in targets], config.max_layers, try_close, floor)
+        with bar:
+            steps, now = choose(effect, [on[i] for i in targets], config.max_layers, try_close, floor)
     finally:
         if not close:  # measured only (or stopped by an error): every gate as it was
             with torch.no_grad():
