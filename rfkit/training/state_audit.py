@@ -115,11 +115,12 @@ class StateAuditConfig:
                 raise RFKitError(f"state_audit.{name}: must be an integer >= 1, got {getattr(self, name)!r}")
 
 
-def answer_tokens(tokenizer, text: str, key: int) -> list[int]:
+def answer_tokens(tokenizer, text: str, key: int, prompt: list[int] | None = None) -> list[int]:
     """The tokens the model must produce after ``text`` to answer ``key`` (the key's leading space
-    merged as the tokenizer merges it)."""
+    merged as the tokenizer merges it). ``prompt``: ``text``'s ids when already tokenized."""
     full = tokenizer(text + f" {key}")["input_ids"]
-    prompt = tokenizer(text)["input_ids"]
+    if prompt is None:
+        prompt = tokenizer(text)["input_ids"]
     if full[: len(prompt)] != prompt or len(full) == len(prompt):
         raise RFKitError("the prompt's tokens change when the key follows it; cannot name the answer's tokens")
     return full[len(prompt) :]
@@ -128,7 +129,11 @@ def answer_tokens(tokenizer, text: str, key: int) -> list[int]:
 def prompt_pairs(tokenizer, records: list[dict]) -> list[tuple[torch.Tensor, list[int]]]:
     """``(ids (1, L), the key's tokens)`` for each needle record, the prompt tokenized as ``rfkit
     eval needles`` tokenizes it."""
-    return [(tokenizer(r["text"], return_tensors="pt").input_ids, answer_tokens(tokenizer, r["text"], r["key"])) for r in records]
+    pairs = []
+    for r in records:
+        ids = tokenizer(r["text"])["input_ids"]
+        pairs.append((torch.tensor([ids]), answer_tokens(tokenizer, r["text"], r["key"], ids)))
+    return pairs
 
 
 @contextlib.contextmanager
@@ -217,13 +222,19 @@ def close_states(model: nn.Module, layers, heads: dict | None = None) -> None:
             if not isinstance(gate, nn.Parameter):
                 raise RFKitError(f"state_audit: {type(mixer).__name__} has no gate to close")
         slots = gate_slots(found[i])
-        chosen = heads.get(i, range(len(slots)))
-        if any(not 0 <= h < len(slots) for h in chosen):
+        chosen = heads.get(i)
+        if chosen is not None and any(not 0 <= h < len(slots) for h in chosen):
             raise RFKitError(f"state_audit: layer {i} has {len(slots)} heads with a state; got heads {list(chosen)}")
-        with torch.no_grad():
-            for h in chosen:
-                mixer, at = slots[h]
-                mixer.gate[at] = 0.0
+        zero_heads(found[i], chosen)
+
+
+def zero_heads(mixers, heads: list[int] | None = None) -> None:
+    """Set the gate of each listed head (:func:`gate_slots`' numbers; None: every head) to 0."""
+    slots = gate_slots(mixers)
+    with torch.no_grad():
+        for h in range(len(slots)) if heads is None else heads:
+            mixer, at = slots[h]
+            mixer.gate[at] = 0.0
 
 
 def calibration_records(tokenizer, config: StateAuditConfig) -> list[dict]:
@@ -266,11 +277,7 @@ def try_closing(
     guard's margin falls to :func:`guard_floor` of its margin ``before`` or below, give the gates
     back. ``{"kept", "target_margins", "guard_margins", "guards_lost"}``."""
     gates = [m.gate.detach().clone() for m in mixers]
-    slots = gate_slots(mixers)
-    with torch.no_grad():
-        for h in range(len(slots)) if heads is None else heads:
-            mixer, at = slots[h]
-            mixer.gate[at] = 0.0
+    zero_heads(mixers, heads)
     got = [m["margin"] for m in margins(model, [prompts[i] for i in targets + guards])]
     aimed, guarded = got[: len(targets)], got[len(targets) :]
     lost = [i for i, m in zip(guards, guarded) if m <= guard_floor(before[i], min_margin)]
@@ -294,8 +301,7 @@ def try_heads(model: nn.Module, mixers, prompts, targets: list[int], guards: lis
         if float(mixer.gate.detach()[at]) <= 0:  # already closed (clamped at 0 in the operator)
             continue
         saved = mixer.gate.detach().clone()
-        with torch.no_grad():
-            mixer.gate[at] = 0.0
+        zero_heads(mixers, [h])
         got = [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
         with torch.no_grad():
             mixer.gate.copy_(saved)

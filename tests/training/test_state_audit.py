@@ -230,8 +230,7 @@ def test_a_refused_layer_is_tried_head_by_head(converted_dir, tmp_path):
     got = try_heads(model, mixers, prompts, targets, guards, [0.0] * 6, -1e9)
     effects = {int(h): e for h, e in got["head_effects"].items()}
     assert sorted(effects) == list(range(len(slots)))  # every head open at the start was measured
-    mixer, at = slots[0]  # its effect: its gate alone at 0, the targets' mean change
-    model_again, _ = _load(tmp_path / "model")
+    model_again, _ = _load(tmp_path / "model")  # head 0's effect: its gate alone at 0, the targets' mean change
     m0, a0 = gate_slots(next(iter(stateful_layers(model_again).values())))[0]
     with torch.no_grad():
         m0.gate[a0] = 0.0
