@@ -98,6 +98,9 @@ def test_audit_measures_each_state_and_closes_the_one_that_lowers_a_quote(conver
     done = audit(model, tok, _settings(lengths=[160], depths=[0.0, 0.5, 1.0], trials=3, min_margin=floor), progress=False)
     assert done["targets"] == [i for i, m in enumerate(off) if m > floor]
     assert done["closed"] == [opened] and done["all_targets_quoted"]
+    # every forward whole instead of replaying the layers before a change: the same report, bit for bit
+    unreplayed, _ = _load(tmp_path / "model")
+    assert audit(unreplayed, tok, _settings(lengths=[160], depths=[0.0, 0.5, 1.0], trials=3, min_margin=floor), progress=False, replay=False) == done
     for name, gate in _gates(model).items():
         layer = int(name.split(".layers.")[1].split(".")[0])
         assert torch.equal(gate, torch.zeros_like(gate) if layer == opened else before[name])
@@ -155,7 +158,7 @@ def test_a_closing_a_guard_refuses_does_not_count_and_the_next_layer_is_tried():
 @pytest.mark.slow
 def test_a_closing_that_costs_a_guard_its_key_gives_the_gates_back(converted_dir, tmp_path):
     from rfkit.evals import needles
-    from rfkit.training.state_audit import margins, prompt_pairs, stateful_layers, try_closing
+    from rfkit.training.state_audit import Measure, margins, prompt_pairs, stateful_layers, try_closing
 
     one_state_open(converted_dir, tmp_path / "model")
     model, tok = _load(tmp_path / "model")
@@ -164,17 +167,61 @@ def test_a_closing_that_costs_a_guard_its_key_gives_the_gates_back(converted_dir
     prompts = prompt_pairs(tok, records)
     assert len(prompts[1][1]) > 10  # the long key: every one of its tokens is asked
     layer, mixers = next(iter(stateful_layers(model).items()))
+    measure = Measure(model, prompts)
     # a guard that had a margin of 1e9 must keep more than the floor (1e9 here): it cannot, so undone
-    got = try_closing(model, mixers, prompts, [0], [1], [0.0, 1e9], 1e9)
-    assert got["kept"] is False and got["guards_lost"] == [1]
+    got = try_closing(measure, layer, mixers, [0], [1], [0.0, 1e9], 1e9)
+    assert got["kept"] is False and got["guards_lost"] == [1] and got["target_margins"] is None
     assert all(torch.equal(before[n], p) for n, p in _gates(model).items())
+    # the guard with the smaller margin before is asked first; once it falls the others are not asked
+    got = try_closing(measure, layer, mixers, [], [0, 1], [1e9, 1e8], 1e9)
+    assert got["guards_lost"] == [1] and got["guard_margins"][0] is None and got["guard_margins"][1] is not None
     # a floor every margin clears: kept, the layer's gates at 0, margins those of the closed model
-    got = try_closing(model, mixers, prompts, [0], [1], [0.0, 1e9], -1e9)
+    got = try_closing(measure, layer, mixers, [0], [1], [0.0, 1e9], -1e9)
     assert got["kept"] is True and got["guards_lost"] == []
     for name, gate in _gates(model).items():
         closed = f".layers.{layer}." in name
         assert torch.equal(gate, torch.zeros_like(gate) if closed else before[name])
     assert [got["target_margins"][0], got["guard_margins"][0]] == [m["margin"] for m in margins(model, prompts)]
+
+
+def test_a_forward_replays_the_layers_before_the_change_and_gets_the_same_margins(converted_dir):
+    from rfkit.config.loading import load_model
+    from rfkit.evals import needles
+    from rfkit.models.modeling import decoder_layers
+    from rfkit.training.state_audit import Measure, margins, prompt_pairs, stateful_layers, states_off
+
+    loaded = load_model(str(converted_dir))
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    records = needles.prompts(tok, [needles.SHAPES["plays"]], [160], [0.0, 1.0], 1, 0, split="train")
+    prompts = prompt_pairs(tok, records)
+    layers = stateful_layers(model)
+    last = max(layers)
+    assert last > 0  # a layer before it to replay
+    runs = {j: 0 for j in range(len(decoder_layers(model)))}
+    for j, layer in enumerate(decoder_layers(model)):
+        layer.self_attn.register_forward_hook(lambda module, inputs, output, j=j: runs.__setitem__(j, runs[j] + 1))
+    measure = Measure(model, prompts)
+    on = measure([0, 1], record=True)
+    measure.commit()
+    assert on == [m["margin"] for m in margins(model, prompts)]
+    for layer, mixers in layers.items():
+        runs.update({j: 0 for j in runs})
+        with states_off(mixers):
+            replayed = measure([0, 1], start=layer)
+            whole = [m["margin"] for m in margins(model, prompts)]
+        assert replayed == whole  # bit for bit: the layers before did not change
+        assert runs == {j: (2 if j < layer else 4) for j in runs}  # the replayed layers ran only in the whole forwards
+    # with nothing kept (a prompt never recorded, or replay off) every layer runs
+    runs.update({j: 0 for j in runs})
+    assert Measure(model, prompts, replay=False)([0], start=last) == on[:1] and all(n == 1 for n in runs.values())
+    # a change undone: discard keeps the outputs as they were; commit keeps only the prompts measured
+    measure([0], start=last, record=True)
+    measure.discard()
+    assert sorted(measure.kept) == [0, 1] and not measure.pending
+    measure([1], start=last, record=True)
+    measure.commit()
+    assert sorted(measure.kept) == [1]
+    assert all(not (hasattr(layer, "forward") and "forward" in layer.__dict__) for layer in decoder_layers(model))  # nothing left patched
 
 
 def test_the_margin_is_the_weakest_token_of_the_whole_key(converted_dir):
@@ -214,7 +261,7 @@ def test_a_model_without_a_state_is_refused(converted_dir):
 @pytest.mark.slow
 def test_a_refused_layer_is_tried_head_by_head(converted_dir, tmp_path):
     from rfkit.evals import needles
-    from rfkit.training.state_audit import close_states, gate_slots, margins, prompt_pairs, stateful_layers, try_heads
+    from rfkit.training.state_audit import Measure, close_states, gate_slots, margins, prompt_pairs, stateful_layers, try_heads
 
     one_state_open(converted_dir, tmp_path / "model")
     model, tok = _load(tmp_path / "model")
@@ -227,7 +274,7 @@ def test_a_refused_layer_is_tried_head_by_head(converted_dir, tmp_path):
     targets, guards = [0, 1, 2], [3]
     now = [m["margin"] for m in margins(model, [prompts[i] for i in targets])]
     # no guard can fall (floor far below): every head with a positive effect is closed, the rest stay
-    got = try_heads(model, mixers, prompts, targets, guards, [0.0] * 6, -1e9)
+    got = try_heads(Measure(model, prompts), layer, mixers, targets, guards, [0.0] * 6, -1e9)
     effects = {int(h): e for h, e in got["head_effects"].items()}
     assert sorted(effects) == list(range(len(slots)))  # every head open at the start was measured
     model_again, _ = _load(tmp_path / "model")  # head 0's effect: its gate alone at 0, the targets' mean change
@@ -243,8 +290,8 @@ def test_a_refused_layer_is_tried_head_by_head(converted_dir, tmp_path):
     # a guard that must keep 1e9: no head is kept, every gate as it was
     model, tok = _load(tmp_path / "model")
     layer, mixers = next(iter(stateful_layers(model).items()))
-    got = try_heads(model, mixers, prompts, targets, guards, [0.0, 0.0, 0.0, 1e9], 1e9)
-    assert got["kept"] is False and got["heads"] == [] and got["guards_lost"] == [3]
+    got = try_heads(Measure(model, prompts), layer, mixers, targets, guards, [0.0, 0.0, 0.0, 1e9], 1e9, now)
+    assert got["kept"] is False and got["heads"] == [] and got["guards_lost"] == [3] and got["target_margins"] is None
     assert all(torch.equal(before[n], p) for n, p in _gates(model).items())
     # close_states closes only the heads named
     close_states(model, [layer], {layer: [1]})
