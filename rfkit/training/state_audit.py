@@ -304,8 +304,9 @@ def audit(
     records: list[dict] | None = None, replay: bool = True,
 ) -> dict:
     """Measure (module docstring) and, with ``close``, close the chosen layers' states in
-    ``model``. Returns the report: the prompts, the margins with every state on and (targets' shape)
-    off, each layer's change, every closing tried in order with the margins after it and whether it
+    ``model``. Returns the report: the prompts, each state's gates before the audit (layer -> one
+    value per :func:`gate_slots` head: what ``benchmarks/state_audit.py --gates-from`` reopens),
+    the margins with every state on and (targets' shape) off, each layer's change, every closing tried in order with the margins after it and whether it
     was kept, the layers closed, and whether every target is quoted at the end. ``records``:
     :func:`calibration_records` already written for ``config`` (None: written here). ``replay``:
     replay the layers a forward does not change (:class:`Measure`; False: every forward whole, the
@@ -322,6 +323,7 @@ def audit(
     aimed = [i for i, r in enumerate(records) if not r.get("guard")]
     was_training = model.training
     saved = {layer: [m.gate.detach().clone() for m in mixers] for layer, mixers in layers.items()}
+    gates_before = {str(layer): [float(m.gate.detach()[at]) for m, at in gate_slots(mixers)] for layer, mixers in layers.items()}
     model.eval()
     measure = Measure(model, prompts, replay)
     try:
@@ -375,6 +377,7 @@ def audit(
             {"shape": r["shape"], "length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "guard": bool(r.get("guard"))}
             for r in records
         ],
+        "gates_before": gates_before,
         "every_state_on": on,
         "every_state_off": off,
         "targets": targets,

@@ -64,7 +64,7 @@ def test_gates_from_a_fits_checkpoint_start_the_audit_from_the_trained_gates(con
     # nothing closed (a floor below every margin), yet the copy is written: its gates are new
     assert script.main([str(src), str(dst), *SMALL, "--min-margin", "-1000", "--gates-from", str(ckpt)]) == 0
     report = json.loads((dst / "state_audit.json").read_text())
-    assert report["closed"] == [] and report["gates_from"] == {"checkpoint": str(ckpt), "reset": gates}
+    assert report["closed"] == [] and report["gates_from"] == {"checkpoint": str(ckpt), "step": None, "reset": gates}
     got = load_file(next(dst.glob("*.safetensors")))
     assert all(torch.equal(got[name], trained[name]) for name in gates)
     # a checkpoint of another model, or no file: one line, exit 2 or a stop naming the flag
@@ -72,3 +72,34 @@ def test_gates_from_a_fits_checkpoint_start_the_audit_from_the_trained_gates(con
     torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
     with pytest.raises(SystemExit, match="--gates-from: .* has no gate"):
         script.main([str(src), str(tmp_path / "y"), *SMALL, "--gates-from", str(tmp_path / "other.ckpt")])
+
+
+@pytest.mark.slow
+def test_gates_from_a_fits_summary_start_the_audit_from_the_gates_its_audit_started_from(converted_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from rfkit.config.loading import load_model
+    from rfkit.training.state_audit import gate_slots, stateful_layers
+
+    script = load_script("benchmarks/state_audit.py")
+    src = tmp_path / "model"
+    first, gates = one_state_open(converted_dir, src)
+    layers = stateful_layers(load_model(str(src)).model)
+    before = {str(i): [0.25 + 0.125 * h for h in range(len(gate_slots(m)))] for i, m in layers.items()}  # as a fit's audit records them
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"state_audit": {"gates_before": before}}))
+    dst = tmp_path / "reopened"
+    assert script.main([str(src), str(dst), *SMALL, "--min-margin", "-1000", "--gates-from", str(summary)]) == 0
+    report = json.loads((dst / "state_audit.json").read_text())
+    assert report["gates_from"]["summary"] == str(summary) and report["gates_before"] == before  # the audit started there
+    got = load_file(next(dst.glob("*.safetensors")))
+    for name in [first, *gates]:
+        layer = name.split(".layers.")[1].split(".")[0]
+        assert got[name].tolist() == before[layer]
+    # another model's gates, or a summary without an audit: a stop naming the flag
+    summary.write_text(json.dumps({"state_audit": {"gates_before": {"0": [1.0]}}}))
+    with pytest.raises(SystemExit, match="--gates-from: .* not this model's"):
+        script.main([str(src), str(tmp_path / "y"), *SMALL, "--gates-from", str(summary)])
+    summary.write_text(json.dumps({"ppl_ratio": 1.0}))
+    with pytest.raises(SystemExit, match="--gates-from: .* has no state audit's gates_before"):
+        script.main([str(src), str(tmp_path / "z"), *SMALL, "--gates-from", str(summary)])

@@ -43,6 +43,12 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
         assert not gates[layer][list(shut)].any()
     for layer in set(gates) - set(report["closed"]):  # training opened the others' gates
         assert gates[layer].any()
+    # the gates the audit started from, head by head: the saved ones but where it closed
+    assert sorted(map(int, report["gates_before"])) == sorted(gates)
+    for layer, values in report["gates_before"].items():
+        shut = set(report["closed_heads"].get(layer, range(len(values)))) if int(layer) in report["closed"] else set()
+        assert [0.0 if h in shut else v for h, v in enumerate(values)] == gates[int(layer)].tolist()
+        assert any(v != 0.0 for v in values)
 
 
 @pytest.mark.parametrize(
