@@ -43,7 +43,7 @@ def saved_gates(source: Path) -> tuple[dict, int | None]:
         data = json.loads(source.read_text())
         gates = data.get("gates_before", (data.get("state_audit") or {}).get("gates_before"))
         if gates is None:
-            raise SystemExit(f"--gates-from: {source} has no state audit's gates_before (a fit's summary.json with a state audit, or an audit report)")
+            raise ValueError(f"--gates-from: {source} has no state audit's gates_before (a fit's summary.json with a state audit, or an audit report)")
         return {int(k): v for k, v in gates.items()}, None
     saved = torch.load(source, map_location="cpu", weights_only=False)
     prefix = "model."
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         check(args.src, args.dst, None)
         if args.gates_from is not None and not args.gates_from.is_file():
             raise ValueError(f"--gates-from: {args.gates_from} is not a file (a fit's summary.json, or its checkpoints/last.ckpt)")
+        if args.gates_from is not None and args.gates_from.suffix == ".json":
+            saved_gates(args.gates_from)  # a summary without an audit: one line before the model loads
     except (RFKitError, ValueError) as exc:
         print(f"state_audit.py: error: {exc}", file=sys.stderr)
         return 2
