@@ -66,18 +66,16 @@ def sharpen(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...
     from rfkit.conversion.convert import save_converted
     from rfkit.conversion.headmap import HeadMap
     from rfkit.models.hybrid import HybridWindowAttention
-    from rfkit.training.state_audit import close_states
+    from rfkit.training.state_audit import close_states, read_sharper
 
     loaded = load_model(str(src))
     model = loaded.model
     if prepare is not None:
         prepare(model)
+    if sharpness is not None:
+        read_sharper(model, sharpness)  # the blocks and the operator record (``record``)
     blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
-    for block in blocks:
-        if sharpness is not None:
-            block.sharpness = float(sharpness)
     close_states(model, close)
-    model.config.rf_operator = record
     recipe = src / "config.yaml"
     save_converted(
         model, HeadMap.load(src / "head_map.json"), dst, tokenizer=loaded.tokenizer,

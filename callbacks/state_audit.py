@@ -5,6 +5,14 @@ It runs when training ends, before the converted model's perplexity is measured 
 model is saved, so the summary's perplexity, the saved weights and every later evaluation are the
 audited model's. Off unless ``max_layers`` is set (0 by default). One process only: a sharded
 (FSDP) run is refused before anything loads.
+
+``read_sharpness`` (1 by default: off) is the other remedy for a state that talks over the
+window: when training ends, every hybrid block is set to read its state at that sharpness
+(``tau`` in ``g e^{-tau m}``, :mod:`rfkit.models.hybrid`), trained at the operator's own (1 by
+default), and the saved model's operator record says so. Training at the higher value lets the
+gates grow back to it; reading sharper than trained is what brings the near quotes back
+(docs/comparing.md, "Reading sharper than trained"). With both on, the sharpness is set first and
+the audit measures the model as it will be read.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ class StateAudit(L.Callback):
             ``plays``; ``[]``: none): far keys the states carry.
         guard_depths: Where the guards' keys sit.
         heads: When a guard refuses a layer's closing, try its heads one by one.
+        read_sharpness: ``tau >= 1``: the saved model reads its hybrid states at this sharpness,
+            set when training ends (module docstring); 1 (the default): as trained.
             Defaults: the settings measured in docs/hybrid.md.
     """
 
-    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths", "heads")
+    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths", "heads", "read_sharpness")
 
     def __init__(
         self,
@@ -48,10 +58,14 @@ class StateAudit(L.Callback):
         guards: list[str] | None = None,
         guard_depths: list[float] | None = None,
         heads: bool = True,
+        read_sharpness: float = 1.0,
     ):
+        from rfkit.validate import in_range
+
         if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 0:
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
         self.max_layers = max_layers
+        self.read_sharpness = float(in_range("state_audit.read_sharpness", read_sharpness, 1, finite=True))
         self.settings = None
         self._records = None  # the calibration prompts, written in setup
         if max_layers:
@@ -83,8 +97,14 @@ class StateAudit(L.Callback):
         self._records = calibration_records(tokenizer, self.settings)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Refuse a model without a state to close before training, not after it."""
-        if self.settings is None or pl_module.head_map is None:
+        """Refuse a model without a state to close (or to read sharper) before training, not after it."""
+        if pl_module.head_map is None:
+            return
+        if self.read_sharpness != 1.0:
+            from rfkit.training.state_audit import require_hybrid
+
+            require_hybrid((getattr(pl_module.model.config, "rf_operator", None) or {}).get("class_path"), "state_audit.read_sharpness")
+        if self.settings is None:
             return
         from rfkit.training.state_audit import stateful_layers
 
@@ -96,7 +116,16 @@ class StateAudit(L.Callback):
             raise RFKitError(f"state_audit.max_layers: {', '.join(sorted(gateless))} has no gate to close; use 0")
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.settings is None or pl_module.head_map is None:
+        if pl_module.head_map is None:
+            return
+        if self.read_sharpness != 1.0:
+            from rfkit.training.state_audit import read_sharper
+
+            trained = float(((pl_module.model.config.rf_operator or {}).get("init_args") or {}).get("sharpness", 1.0))
+            blocks = read_sharper(pl_module.model, self.read_sharpness)
+            pl_module.run_metrics["read_sharpness"] = {"trained": trained, "read": self.read_sharpness, "blocks": blocks}
+            print(f"read sharpness: the {blocks} hybrid blocks, trained at sharpness {trained:g}, are read and saved at {self.read_sharpness:g}")
+        if self.settings is None:
             return
         from rfkit.conversion.model_card import describe_closed
         from rfkit.training.state_audit import audit

@@ -167,6 +167,13 @@ def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, t
                 assert audit["config"][key] == recipe["state_audit"][key]
         guards = len(audit["config"]["guards"]) * len(audit["config"]["guard_depths"])  # one trial each
         assert [p["guard"] for p in audit["prompts"]] == [False] + [True] * guards
+    read = (recipe.get("state_audit") or {}).get("read_sharpness", 1.0)
+    if read != 1.0:  # read sharper than trained, in the saved model's operator record too
+        assert summary["read_sharpness"]["read"] == read
+        saved = json.loads((run["model"] / "config.json").read_text())["rf_operator"]["init_args"]
+        assert saved["sharpness"] == read
+    else:
+        assert "read_sharpness" not in summary
     check_saved_model(run["model"], recipe)
 
 

@@ -176,11 +176,18 @@ def check_recall_weight(model, data) -> None:
         )
 
 
-def check_state_audit(section) -> None:
-    """The ``state_audit`` section's settings, when it is on (``max_layers`` above 0)."""
+def check_state_audit(section, model=None) -> None:
+    """The ``state_audit`` section's settings (the audit's when it is on, ``max_layers`` above 0),
+    and a ``read_sharpness`` other than 1 only with the hybrid operator (``model.operator``)."""
     from rfkit.callbacks.state_audit import StateAudit
 
-    StateAudit(**{k: v for k, v in dict(section).items() if k in StateAudit.FIELDS})
+    audit = StateAudit(**{k: v for k, v in dict(section).items() if k in StateAudit.FIELDS})
+    operator = model.get("operator") if model is not None and hasattr(model, "get") else None
+    path = operator.get("class_path") if operator is not None and hasattr(operator, "get") else None
+    if audit.read_sharpness != 1.0 and isinstance(path, str):
+        from rfkit.training.state_audit import require_hybrid
+
+        require_hybrid(path, "state_audit.read_sharpness")
 
 
 def preflight(subcommand: str | None, config) -> None:
@@ -198,7 +205,7 @@ def preflight(subcommand: str | None, config) -> None:
       ``model.transfer.long_source`` (fit and convert, which run transfer) and the training
       mix's ``data.long_source`` (fit), each a known name with some text, its ``long_seq_len``
       within the model's context;
-    * the ``state_audit`` section's settings (fit), when it is on;
+    * the ``state_audit`` section's settings (fit): the audit's when it is on, ``read_sharpness``;
     * the outputs: ``trainer.default_root_dir`` (fit, validate, test) or ``--output``
       (profile, convert) writable, created by nothing here; ``--ckpt_path`` a checkpoint;
     * ``--device`` of profile and convert (cpu, cuda or cuda:N; CUDA present when asked for).
@@ -235,7 +242,7 @@ def preflight(subcommand: str | None, config) -> None:
         check_ckpt_path(config.get("ckpt_path"))
         audit = config.get("state_audit")
         if subcommand == "fit" and audit is not None:
-            check_state_audit(audit)
+            check_state_audit(audit, model)
     elif subcommand in ("profile", "convert"):
         output = config.get("output")
         if output:

@@ -235,6 +235,12 @@ def _results(metrics: dict | None) -> list[str]:
             "(summary.json, `state_audit`)"
             + (f"; closings undone because a guard prompt lost its key: layers {', '.join(map(str, audit['refused']))}" if audit.get("refused") else "")
         )
+    sharp = metrics.get("read_sharpness")
+    if isinstance(sharp, dict) and _present(sharp, "read"):  # callbacks/state_audit.py, before the perplexity above
+        bullets.append(
+            f"- Read sharpness: the hybrid states are read at sharpness {sharp['read']:g} (trained at "
+            f"{sharp.get('trained', 1.0):g}; `state_audit.read_sharpness`), set after training, before the perplexity above"
+        )
     if not rows and not bullets:
         return lines + ["Not measured.", ""]
     if rows:

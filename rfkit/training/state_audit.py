@@ -57,7 +57,7 @@ from rfkit.training.key_margins import Measure, answer_tokens, float32_logits, m
 
 __all__ = [  # the margins and prompts live in rfkit.training.key_margins; named here too
     "Measure", "StateAuditConfig", "answer_tokens", "audit", "calibration_records", "choose", "close_states",
-    "float32_logits", "gate_slots", "guard_floor", "margins", "prompt_pairs", "stateful_layers", "states_off",
+    "float32_logits", "gate_slots", "guard_floor", "margins", "prompt_pairs", "read_sharper", "require_hybrid", "stateful_layers", "states_off",
     "try_closing", "try_heads", "zero_heads",
 ]
 
@@ -170,6 +170,37 @@ def close_states(model: nn.Module, layers, heads: dict | None = None) -> None:
         if chosen is not None and any(not 0 <= h < len(slots) for h in chosen):
             raise RFKitError(f"state_audit: layer {i} has {len(slots)} heads with a state; got heads {list(chosen)}")
         zero_heads(found[i], chosen)
+
+
+HYBRID = "rfkit.operators.HybridOperator"
+
+
+def require_hybrid(path, field: str = "read sharpness") -> None:
+    """Raise RFKitError naming ``field`` unless ``path`` (an operator's class path) is
+    :class:`rfkit.operators.HybridOperator`, the one operator whose blocks have a sharpness."""
+    from rfkit.classpath import public_path
+
+    if not isinstance(path, str) or public_path(path) != HYBRID:
+        raise RFKitError(f"{field}: only {HYBRID} reads its state with a sharpness; model.operator is {path} (use 1)")
+
+
+def read_sharper(model: nn.Module, sharpness: float) -> int:
+    """Read every hybrid block of a converted model at ``sharpness`` (``tau`` in the state's
+    weight ``g e^{-tau m}``, :mod:`rfkit.models.hybrid`) and write it into the model's operator
+    record (``config.rf_operator``), so a save and every later load read it too; returns the
+    number of blocks. Nothing trains: the window, state and gates keep their weights. Raises
+    RFKitError unless the operator is the hybrid (:func:`require_hybrid`) or for a value below 1."""
+    from rfkit.models.hybrid import HybridWindowAttention
+    from rfkit.models.operators import HybridOperator
+
+    record = getattr(model.config, "rf_operator", None) or {}
+    require_hybrid(record.get("class_path"))
+    operator = HybridOperator(**{**record.get("init_args", {}), "sharpness": sharpness})
+    blocks = [m for m in model.modules() if isinstance(m, HybridWindowAttention)]
+    for block in blocks:
+        block.sharpness = operator.sharpness
+    model.config.rf_operator = operator.to_dict()
+    return len(blocks)
 
 
 def zero_heads(mixers, heads: list[int] | None = None) -> None:

@@ -323,3 +323,30 @@ def test_closings_in_words():
 
     assert describe_closed({"closed": [21, 5, 20], "closed_heads": {"5": [0, 3]}}) == "21, 5 (heads 0, 3), 20"
     assert describe_closed({"closed": []}) == "none"
+
+
+def test_read_sharper_sets_every_hybrid_block_and_the_record_and_refuses_other_operators():
+    import copy
+
+    from helpers import tiny_model
+    from rfkit.models.hybrid import HybridWindowAttention
+    from rfkit.models.modeling import to_recurformer
+    from rfkit.models.operators import HybridOperator, SinkRecentOperator
+    from rfkit.training.state_audit import read_sharper
+
+    original = tiny_model("llama").eval()
+    selected = [[0, 1], [2, 3]]
+    model = to_recurformer(copy.deepcopy(original), selected, HybridOperator(sink=2, window=4, feature_dim=4, decay_horizon=64.0))
+    ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert read_sharper(model, 1.5) == 2  # one block per converted layer
+        after = model(ids).logits
+    assert [m.sharpness for m in model.modules() if isinstance(m, HybridWindowAttention)] == [1.5, 1.5]
+    assert model.config.rf_operator["init_args"] == {**HybridOperator(sink=2, window=4, feature_dim=4, decay_horizon=64.0).init_args(), "sharpness": 1.5}
+    assert not torch.allclose(before, after)  # 24 tokens past a 2 + 4 window: the state counts
+    with pytest.raises(RFKitError, match="model.operator.sharpness"):
+        read_sharper(model, 0.5)
+    plain = to_recurformer(copy.deepcopy(original), selected, SinkRecentOperator(sink=2, window=4))
+    with pytest.raises(RFKitError, match=r"read sharpness: only rfkit.operators.HybridOperator .* model.operator is rfkit.operators.SinkRecentOperator"):
+        read_sharper(plain, 1.5)

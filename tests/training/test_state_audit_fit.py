@@ -9,6 +9,8 @@ import json
 import pytest
 from helpers import run_cli, tiny_args
 
+MAMBA_RECIPE = "recipes/smollm2_mamba_b05.yaml"
+
 
 @pytest.mark.slow
 def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_corpus, tmp_path, capsys, data_cache):
@@ -51,6 +53,50 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
         assert any(v != 0.0 for v in values)
 
 
+@pytest.mark.slow
+def test_fit_reads_the_states_sharper_before_measuring_and_saving(tiny_model_dir, tiny_corpus, tmp_path, capsys, data_cache, monkeypatch):
+    """``state_audit.read_sharpness``: trained at 1, the saved model reads every hybrid block at
+    the new value, its operator record says so, and the summary's perplexity is that model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rfkit.data import TextDataModule
+    from rfkit.evals.perplexity import evaluate_perplexity
+    from rfkit.models.hybrid import HybridWindowAttention
+
+    root = tmp_path / "runs"
+    args = [  # a window of 8 in 32-token blocks: the state reads most of each block
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, root), "--model.operator.init_args.window", "8",
+        "--state_audit.read_sharpness", "2",
+    ]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    run = next(root.glob("lightning_logs/version_*"))
+    summary = json.loads((run / "summary.json").read_text())
+    blocks = summary["read_sharpness"]["blocks"]
+    assert summary["read_sharpness"] == {"trained": 1.0, "read": 2.0, "blocks": blocks} and blocks == 2  # one per tiny layer
+    assert f"read sharpness: the 2 hybrid blocks, trained at sharpness 1, are read and saved at 2" in out
+    config = json.loads((run / "model" / "config.json").read_text())
+    assert config["rf_operator"]["init_args"]["sharpness"] == 2.0 and config["rf_operator"]["init_args"]["window"] == 8
+    assert "read at sharpness 2 (trained at 1; `state_audit.read_sharpness`)" in (run / "model" / "README.md").read_text()
+
+    saved = AutoModelForCausalLM.from_pretrained(str(run / "model")).eval()
+    hybrid = [m for m in saved.modules() if isinstance(m, HybridWindowAttention)]
+    assert len(hybrid) == 2 and all(m.sharpness == 2.0 for m in hybrid)
+    data = TextDataModule(
+        source=str(tiny_corpus), tokenizer=str(tiny_model_dir), seq_len=32, batch_size=2, calibration_samples=4,
+        val_blocks=4, split=[0.1, 0.1],
+    )  # fmt: skip
+    monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))
+    with torch.no_grad():
+        sharp = evaluate_perplexity(saved, data.val_dataloader())
+        for m in hybrid:
+            m.sharpness = 1.0
+        trained = evaluate_perplexity(saved, data.val_dataloader())
+    assert sharp == pytest.approx(summary["ppl_converted"], rel=1e-5)  # measured after the change
+    assert abs(trained - sharp) > 1e-6 * sharp  # and the change is one the perplexity sees
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -58,6 +104,8 @@ def test_fit_audits_the_states_before_measuring_and_saving(tiny_model_dir, tiny_
         (["--state_audit.max_layers", "2", "--state_audit.split", "validation"], "state_audit.split: allowed: train, calibration"),
         (["--state_audit.max_layers", "2", "--state_audit.shape", "multi"], "state_audit.shape: allowed: prose, plays"),
         (["--state_audit.max_layers", "2", "--state_audit.lengths", "[]"], "state_audit.lengths: give prompt lengths"),
+        (["--state_audit.read_sharpness", "0.5"], "state_audit.read_sharpness: 0.5 is not allowed"),
+        (["--state_audit.read_sharpness", "nan"], "state_audit.read_sharpness: expected a number"),
     ],
 )
 def test_bad_audit_settings_are_one_line_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, args, message):
@@ -79,3 +127,13 @@ def test_lengths_that_cannot_hold_the_prompt_fail_before_training(tiny_model_dir
     assert "state_audit.lengths: 80 tokens cannot hold the plays prompt" in lines[0]
     assert "transfer" not in out and not list(root.rglob("summary.json"))
 
+
+
+def test_read_sharpness_needs_the_hybrid_operator_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    root = tmp_path / "runs"
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root, recipe=MAMBA_RECIPE), "--state_audit.read_sharpness", "1.25"]
+    code, out, err = run_cli(args, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert "state_audit.read_sharpness: only rfkit.operators.HybridOperator reads its state with a sharpness; model.operator is rfkit.operators.MambaOperator (use 1)" in lines[0]
+    assert "transfer" not in out and not root.exists() or not any(root.rglob("*.json"))
