@@ -99,6 +99,8 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
         stages = [dict(stage) for stage in model["freeze_schedule"]]
         stages[0]["steps"] = 1
         args += ["--model.freeze_schedule", json.dumps(stages)]
+    if (model["operator"].get("init_args") or {}).get("stateless_layers"):  # SmolLM2's layer numbers: the tiny
+        args += ["--model.operator.init_args.stateless_layers", "[0]"]  # model's first layer without, its second with a state
     if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit's prompts: one per shape and depth, within the tiny model
         args += ["--state_audit.lengths", "[288]", "--state_audit.trials", "1"]  # the long guard needs 257 with this tokenizer
     strategy = trainer.get("strategy")
