@@ -26,8 +26,6 @@ import json
 import sys
 from pathlib import Path
 
-HYBRID = "rfkit.operators.HybridOperator"
-
 
 def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] = ()) -> dict:
     """The source's operator record with the new sharpness (None: the source's); raises
@@ -38,8 +36,10 @@ def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] 
     config_path = src / "config.json"
     if not config_path.is_file() or not (src / "head_map.json").is_file():
         raise ValueError(f"SRC: '{src}' is not a saved converted model (no config.json and head_map.json)")
+    from rfkit.training.state_audit import HYBRID, is_hybrid
+
     record = json.loads(config_path.read_text()).get("rf_operator") or {}
-    if record.get("class_path") != HYBRID:
+    if not is_hybrid(record.get("class_path")):
         raise ValueError(f"SRC: the operator is {record.get('class_path')!r}; only {HYBRID} has a sharpness")
     if dst.exists():
         raise ValueError(f"DST: '{dst}' exists; give a new folder")

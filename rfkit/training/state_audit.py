@@ -57,7 +57,7 @@ from rfkit.training.key_margins import Measure, answer_tokens, float32_logits, m
 
 __all__ = [  # the margins and prompts live in rfkit.training.key_margins; named here too
     "Measure", "StateAuditConfig", "answer_tokens", "audit", "calibration_records", "choose", "close_states",
-    "float32_logits", "gate_slots", "guard_floor", "margins", "prompt_pairs", "read_sharper", "require_hybrid", "stateful_layers", "states_off",
+    "float32_logits", "gate_slots", "guard_floor", "margins", "is_hybrid", "prompt_pairs", "read_sharper", "require_hybrid", "stateful_layers", "states_off",
     "try_closing", "try_heads", "zero_heads",
 ]
 
@@ -175,12 +175,17 @@ def close_states(model: nn.Module, layers, heads: dict | None = None) -> None:
 HYBRID = "rfkit.operators.HybridOperator"
 
 
-def require_hybrid(path, field: str = "read sharpness") -> None:
-    """Raise RFKitError naming ``field`` unless ``path`` (an operator's class path) is
+def is_hybrid(path) -> bool:
+    """Whether ``path`` (an operator's class path, as a recipe or a saved record names it) is
     :class:`rfkit.operators.HybridOperator`, the one operator whose blocks have a sharpness."""
     from rfkit.classpath import public_path
 
-    if not isinstance(path, str) or public_path(path) != HYBRID:
+    return isinstance(path, str) and public_path(path) == HYBRID
+
+
+def require_hybrid(path, field: str = "read sharpness") -> None:
+    """Raise RFKitError naming ``field`` unless :func:`is_hybrid` ``(path)``."""
+    if not is_hybrid(path):
         raise RFKitError(f"{field}: only {HYBRID} reads its state with a sharpness; model.operator is {path} (use 1)")
 
 
