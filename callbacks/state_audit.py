@@ -13,6 +13,12 @@ default), and the saved model's operator record says so. Training at the higher 
 gates grow back to it; reading sharper than trained is what brings the near quotes back
 (docs/comparing.md, "Reading sharper than trained"). With both on, the sharpness is set first and
 the audit measures the model as it will be read.
+
+``close_layers`` and ``close_heads`` close states chosen beforehand, measuring nothing: an audit's
+report names what it closed (``closed`` and ``closed_heads`` in ``summary.json``), and a recipe
+that copies them closes the same states after a training like the one audited, without the audit's
+forwards. They are applied when training ends, after ``read_sharpness`` and before the audit (which,
+when on too, measures the model with them closed and adds its own).
 """
 
 from __future__ import annotations
@@ -40,10 +46,16 @@ class StateAudit(L.Callback):
         heads: When a guard refuses a layer's closing, try its heads one by one.
         read_sharpness: ``tau >= 1``: the saved model reads its hybrid states at this sharpness,
             set when training ends (module docstring); 1 (the default): as trained.
+        close_layers: Decoder layers whose states are closed when training ends, measuring nothing
+            (module docstring; an audit's ``closed``); checked against the converted model before
+            training.
+        close_heads: Layer -> the heads (numbered as the audit's report numbers them) closed there
+            instead of all of the layer's (an audit's ``closed_heads``); every layer named must be
+            in ``close_layers``.
             Defaults: the settings measured in docs/hybrid.md.
     """
 
-    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths", "heads", "read_sharpness")
+    FIELDS = ("max_layers", "shape", "lengths", "depths", "trials", "seed", "split", "min_margin", "guards", "guard_depths", "heads", "read_sharpness", "close_layers", "close_heads")
 
     def __init__(
         self,
@@ -59,6 +71,8 @@ class StateAudit(L.Callback):
         guard_depths: list[float] | None = None,
         heads: bool = True,
         read_sharpness: float = 1.0,
+        close_layers: list[int] | None = None,
+        close_heads: dict[int, list[int]] | None = None,
     ):
         from rfkit.validate import in_range
 
@@ -66,6 +80,7 @@ class StateAudit(L.Callback):
             raise RFKitError(f"state_audit.max_layers: must be an integer >= 0 (0: no audit), got {max_layers!r}")
         self.max_layers = max_layers
         self.read_sharpness = float(in_range("state_audit.read_sharpness", read_sharpness, 1, finite=True))
+        self.close_layers, self.close_heads = fixed_closing(close_layers, close_heads)
         self.settings = None
         self._records = None  # the calibration prompts, written in setup
         if max_layers:
@@ -98,6 +113,10 @@ class StateAudit(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Refuse a model without a state to close (or to read sharper) before training, not after it."""
+        if self.close_layers:  # no head map (nothing replaced): closing() names the field, no layer has a state
+            from rfkit.training.state_audit import closing
+
+            closing(pl_module.model, self.close_layers, self.close_heads, "state_audit.close_layers")
         if pl_module.head_map is None:
             return
         if self.read_sharpness != 1.0:
@@ -125,6 +144,14 @@ class StateAudit(L.Callback):
             blocks = read_sharper(pl_module.model, self.read_sharpness)
             pl_module.run_metrics["read_sharpness"] = {"trained": trained, "read": self.read_sharpness, "blocks": blocks}
             print(f"read sharpness: the {blocks} hybrid blocks, trained at sharpness {trained:g}, are read and saved at {self.read_sharpness:g}")
+        if self.close_layers:
+            from rfkit.conversion.model_card import describe_closed
+            from rfkit.training.state_audit import close_states
+
+            close_states(pl_module.model, self.close_layers, self.close_heads, "state_audit.close_layers")
+            fixed = {"closed": list(self.close_layers), "closed_heads": {str(k): list(v) for k, v in self.close_heads.items()}}
+            pl_module.run_metrics["closed_states"] = fixed
+            print(f"closed states: layers {describe_closed(fixed)} (state_audit.close_layers, chosen before training; nothing measured)")
         if self.settings is None:
             return
         from rfkit.conversion.model_card import describe_closed
@@ -138,3 +165,30 @@ class StateAudit(L.Callback):
         closed = describe_closed(report)
         quoted = "every" if report["all_targets_quoted"] else "not every"
         print(f"state audit: closed the states of layers {closed}; {quoted} calibration key the window alone quotes is quoted")
+
+
+def fixed_closing(layers, heads) -> tuple[list[int], dict[int, list[int]]]:
+    """``close_layers`` and ``close_heads`` checked (types and shape only; the model checks the
+    numbers): raises RFKitError naming the field."""
+
+    def integers(value) -> bool:
+        return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+    layers = [] if layers is None else layers
+    if not integers(layers) or len(set(layers)) != len(layers):
+        raise RFKitError(f"state_audit.close_layers: a list of distinct decoder layer numbers (integers >= 0), got {layers!r}")
+    heads = {} if heads is None else heads
+    if not isinstance(heads, dict):
+        raise RFKitError(f"state_audit.close_heads: layer -> a list of head numbers (e.g. {{5: [0, 3]}}), got {heads!r}")
+    checked = {}
+    for layer, picked in heads.items():
+        try:
+            number = int(layer)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or number not in layers:
+            raise RFKitError(f"state_audit.close_heads: layer {layer!r} is not in state_audit.close_layers {list(layers)}; name each layer there too")
+        if not integers(picked) or not picked or len(set(picked)) != len(picked):
+            raise RFKitError(f"state_audit.close_heads: layer {number}: a non-empty list of distinct head numbers (integers >= 0), got {picked!r}")
+        checked[number] = list(picked)
+    return list(layers), checked

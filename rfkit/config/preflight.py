@@ -178,7 +178,8 @@ def check_recall_weight(model, data) -> None:
 
 def check_state_audit(section, model=None) -> None:
     """The ``state_audit`` section's settings (the audit's when it is on, ``max_layers`` above 0),
-    and a ``read_sharpness`` other than 1 only with the hybrid operator (``model.operator``)."""
+    a ``read_sharpness`` other than 1 only with the hybrid operator (``model.operator``), and
+    ``close_layers`` only with an operator whose blocks have a state gate."""
     from rfkit.callbacks.state_audit import StateAudit
 
     audit = StateAudit(**{k: v for k, v in dict(section).items() if k in StateAudit.FIELDS})
@@ -188,6 +189,10 @@ def check_state_audit(section, model=None) -> None:
         from rfkit.training.state_audit import require_hybrid
 
         require_hybrid(path, "state_audit.read_sharpness")
+    if audit.close_layers and isinstance(path, str):
+        from rfkit.training.state_audit import require_gated
+
+        require_gated(path, "state_audit.close_layers")
 
 
 def preflight(subcommand: str | None, config) -> None:

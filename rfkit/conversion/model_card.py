@@ -241,6 +241,12 @@ def _results(metrics: dict | None) -> list[str]:
             f"- Read sharpness: the hybrid states are read at sharpness {sharp['read']:g} (trained at "
             f"{sharp.get('trained', 1.0):g}; `state_audit.read_sharpness`), set after training, before the perplexity above"
         )
+    fixed = metrics.get("closed_states")
+    if isinstance(fixed, dict) and fixed.get("closed"):  # callbacks/state_audit.py, before the perplexity above
+        bullets.append(
+            f"- Closed states: gates 0 in decoder layers {describe_closed(fixed)}, named by the recipe "
+            "(`state_audit.close_layers`, `close_heads`; nothing measured), set after training, before the perplexity above"
+        )
     if not rows and not bullets:
         return lines + ["Not measured.", ""]
     if rows:

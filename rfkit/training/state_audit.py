@@ -56,8 +56,8 @@ from rfkit.models.modeling import decoder_layers
 from rfkit.training.key_margins import Measure, answer_tokens, float32_logits, margins, prompt_pairs
 
 __all__ = [  # the margins and prompts live in rfkit.training.key_margins; named here too
-    "Measure", "StateAuditConfig", "answer_tokens", "audit", "calibration_records", "choose", "close_states",
-    "float32_logits", "gate_slots", "guard_floor", "margins", "is_hybrid", "prompt_pairs", "read_sharper", "require_hybrid", "stateful_layers", "states_off",
+    "Measure", "StateAuditConfig", "answer_tokens", "audit", "calibration_records", "choose", "close_states", "closing",
+    "float32_logits", "gate_slots", "guard_floor", "margins", "is_hybrid", "prompt_pairs", "read_sharper", "require_gated", "require_hybrid", "stateful_layers", "states_off",
     "try_closing", "try_heads", "zero_heads",
 ]
 
@@ -152,27 +152,39 @@ def gate_slots(mixers) -> list[tuple[nn.Module, int]]:
     return [(mixer, h) for mixer in mixers for h in range(mixer.gate.numel())]
 
 
-def close_states(model: nn.Module, layers, heads: dict | None = None) -> None:
-    """Set the gates of the listed decoder layers' state mixers to 0: their window alone, for
-    good (the state-off ablation made permanent). ``heads``: layer -> the heads
-    (:func:`gate_slots`' numbers) to close there instead of all."""
+def closing(model: nn.Module, layers, heads: dict | None = None, field: str = "state_audit") -> list[tuple[list[nn.Module], list[int] | None]]:
+    """What :func:`close_states` would close, checked and nothing changed: one ``(mixers, heads)``
+    per listed decoder layer (``heads`` None: all of them). Raises RFKitError naming ``field`` for
+    a layer without a state or a gate, or a head number that layer does not have."""
     found = stateful_layers(model)
     heads = {int(k): v for k, v in (heads or {}).items()}
+    chosen = []
     for i in layers:
         if i not in found:
-            raise RFKitError(f"state_audit: layer {i} has no state to close; layers with one: {', '.join(map(str, found))}")
+            raise RFKitError(f"{field}: layer {i} has no state to close; layers with one: {', '.join(map(str, found)) or 'none'}")
         for mixer in found[i]:
             gate = getattr(mixer, "gate", None)
             if not isinstance(gate, nn.Parameter):
-                raise RFKitError(f"state_audit: {type(mixer).__name__} has no gate to close")
+                raise RFKitError(f"{field}: {type(mixer).__name__} has no gate to close")
         slots = gate_slots(found[i])
-        chosen = heads.get(i)
-        if chosen is not None and any(not 0 <= h < len(slots) for h in chosen):
-            raise RFKitError(f"state_audit: layer {i} has {len(slots)} heads with a state; got heads {list(chosen)}")
-        zero_heads(found[i], chosen)
+        picked = heads.get(i)
+        if picked is not None and any(not 0 <= h < len(slots) for h in picked):
+            raise RFKitError(f"{field}: layer {i} has {len(slots)} heads with a state (0 to {len(slots) - 1}); got heads {list(picked)}")
+        chosen.append((found[i], picked))
+    return chosen
+
+
+def close_states(model: nn.Module, layers, heads: dict | None = None, field: str = "state_audit") -> None:
+    """Set the gates of the listed decoder layers' state mixers to 0: their window alone, for
+    good (the state-off ablation made permanent). ``heads``: layer -> the heads
+    (:func:`gate_slots`' numbers) to close there instead of all. Every layer is checked
+    (:func:`closing`) before any gate changes."""
+    for mixers, picked in closing(model, layers, heads, field):
+        zero_heads(mixers, picked)
 
 
 HYBRID = "rfkit.operators.HybridOperator"
+GATED = (HYBRID, "rfkit.operators.HybridMambaOperator")  # the operators whose blocks have a state gate
 
 
 def is_hybrid(path) -> bool:
@@ -181,6 +193,15 @@ def is_hybrid(path) -> bool:
     from rfkit.classpath import public_path
 
     return isinstance(path, str) and public_path(path) == HYBRID
+
+
+def require_gated(path, field: str) -> None:
+    """Raise RFKitError naming ``field`` unless ``path`` (an operator's class path) is one of
+    :data:`GATED`, whose blocks have a state gate to close."""
+    from rfkit.classpath import public_path
+
+    if not isinstance(path, str) or public_path(path) not in GATED:
+        raise RFKitError(f"{field}: only {' and '.join(GATED)} have a state gate to close; model.operator is {path} (use [])")
 
 
 def require_hybrid(path, field: str = "read sharpness") -> None:

@@ -539,3 +539,10 @@ def test_sharpen_script_writes_a_copy_that_loads_at_the_new_sharpness(tmp_path, 
     assert sharpen.main([str(src), str(tmp_path / "nothing")]) == 2  # neither option: the copy would be the source
     assert sharpen.main([str(src), str(tmp_path / "bad_layer"), "--close-states", "7"]) == 2
     assert "--close-states: layer 7 replaces no head" in capsys.readouterr().err and not (tmp_path / "bad_layer").exists()
+    # --close-heads: only the named heads of a listed layer; the layer's other head as it was
+    assert sharpen.main([str(src), str(tmp_path / "one_head"), "--close-states", "1,0", "--close-heads", '{"1": [1]}']) == 0
+    got = [m.gate for m in AutoModelForCausalLM.from_pretrained(str(tmp_path / "one_head")).modules() if m.__class__.__name__ == "HybridWindowAttention"]
+    assert got[0].eq(0).all() and got[1].tolist() == [0.5, 0.0]
+    for heads, message in [('{"1": [2]}', "--close-heads: layer 1 has 2 heads with a state (0 to 1)"), ('{"0": [0]}', "--close-heads: layer 0 is not in"), ("[1]", "--close-heads: give JSON")]:
+        assert sharpen.main([str(src), str(tmp_path / "bad_heads"), "--close-states", "1", "--close-heads", heads]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "bad_heads").exists()

@@ -97,6 +97,49 @@ def test_fit_reads_the_states_sharper_before_measuring_and_saving(tiny_model_dir
     assert abs(trained - sharp) > 1e-6 * sharp  # and the change is one the perplexity sees
 
 
+@pytest.mark.slow
+def test_fit_closes_the_states_a_recipe_names_without_measuring(tiny_model_dir, tiny_corpus, tmp_path, capsys, data_cache):
+    """``state_audit.close_layers`` / ``close_heads``: an audit's ``closed`` and ``closed_heads``
+    copied into a recipe close the same gates when training ends, before the perplexity and the
+    save, with no audit forward."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "runs"
+    args = [
+        "fit", *tiny_args(tiny_model_dir, tiny_corpus, root),
+        "--state_audit.close_layers", "[1, 0]", "--state_audit.close_heads", '{"1": [0]}',
+    ]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err[-3000:]
+    assert "closed states: layers 1 (heads 0), 0 (state_audit.close_layers, chosen before training; nothing measured)" in out
+    run = next(root.glob("lightning_logs/version_*"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["closed_states"] == {"closed": [1, 0], "closed_heads": {"1": [0]}}
+    assert "state_audit" not in summary and "audit" not in summary["phases"]  # nothing measured
+    card = (run / "model" / "README.md").read_text()
+    assert "- Closed states: gates 0 in decoder layers 1 (heads 0), 0, named by the recipe" in card
+    weights = load_file(next((run / "model").glob("*.safetensors")))
+    gates = {int(k.split(".layers.")[1].split(".")[0]): v for k, v in weights.items() if k.endswith("mixer.gate")}
+    assert sorted(gates) == [0, 1] and gates[1].numel() > 1
+    assert not gates[0].any()  # the whole layer
+    assert gates[1][0] == 0 and gates[1][1:].all()  # only head 0; training opened the others
+
+
+def test_a_closing_the_model_cannot_take_fails_before_training(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    """Layer and head numbers are checked against the converted model before the first step."""
+    for extra, message in [
+        (["--state_audit.close_layers", "[2]"], "state_audit.close_layers: layer 2 has no state to close; layers with one: 0, 1"),
+        (["--state_audit.close_layers", "[0]", "--state_audit.close_heads", '{"0": [40]}'], "state_audit.close_layers: layer 0 has "),
+    ]:
+        root = tmp_path / f"runs_{len(extra)}"
+        args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root), "--model.transfer.steps", "0", *extra]
+        code, out, err = run_cli(args, capsys)
+        lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+        assert code == 2 and len(lines) == 1, err[-2000:]
+        assert message in lines[0]
+        assert not list(root.rglob("summary.json"))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -106,6 +149,9 @@ def test_fit_reads_the_states_sharper_before_measuring_and_saving(tiny_model_dir
         (["--state_audit.max_layers", "2", "--state_audit.lengths", "[]"], "state_audit.lengths: give prompt lengths"),
         (["--state_audit.read_sharpness", "0.5"], "state_audit.read_sharpness: 0.5 is not allowed"),
         (["--state_audit.read_sharpness", "nan"], "state_audit.read_sharpness: expected a number"),
+        (["--state_audit.close_layers", "[3, 3]"], "state_audit.close_layers: a list of distinct decoder layer numbers"),
+        (["--state_audit.close_layers", "[3]", "--state_audit.close_heads", '{"5": [0]}'], "state_audit.close_heads: layer 5 is not in state_audit.close_layers [3]"),
+        (["--state_audit.close_layers", "[3]", "--state_audit.close_heads", '{"3": []}'], "state_audit.close_heads: layer 3: a non-empty list"),
     ],
 )
 def test_bad_audit_settings_are_one_line_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, args, message):
@@ -135,5 +181,16 @@ def test_read_sharpness_needs_the_hybrid_operator_before_anything_loads(tiny_mod
     lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
     assert code == 2 and len(lines) == 1, err[-2000:]
     assert "state_audit.read_sharpness: only rfkit.operators.HybridOperator reads its state with a sharpness; model.operator is rfkit.operators.MambaOperator (use 1)" in lines[0]
+    assert "transfer" not in out
+    assert not root.exists() or not any(root.rglob("*.json"))
+
+
+def test_closing_states_needs_a_gated_operator_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    root = tmp_path / "runs"
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root, recipe=MAMBA_RECIPE), "--state_audit.close_layers", "[0]"]
+    code, out, err = run_cli(args, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert "state_audit.close_layers: only rfkit.operators.HybridOperator and rfkit.operators.HybridMambaOperator have a state gate to close; model.operator is rfkit.operators.MambaOperator (use [])" in lines[0]
     assert "transfer" not in out
     assert not root.exists() or not any(root.rglob("*.json"))
