@@ -103,6 +103,9 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
         args += ["--model.operator.init_args.stateless_layers", "[0]"]  # model's first layer without, its second with a state
     if (recipe.get("state_audit") or {}).get("max_layers"):  # the audit's prompts: one per shape and depth, within the tiny model
         args += ["--state_audit.lengths", "[288]", "--state_audit.trials", "1"]  # the long guard needs 257 with this tokenizer
+    audit = recipe.get("state_audit") or {}
+    if audit.get("close_layers"):  # SmolLM2's layer numbers: the tiny model's two layers, its second's first head only
+        args += ["--state_audit.close_layers", "[0, 1]"] + (["--state_audit.close_heads", '{"1": [0]}'] if audit.get("close_heads") else [])
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
         args += ["--trainer.strategy.class_path", "test_ddp.CPUFSDPStrategy", "--trainer.enable_checkpointing", "false"]
@@ -169,6 +172,17 @@ def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, t
                 assert audit["config"][key] == recipe["state_audit"][key]
         guards = len(audit["config"]["guards"]) * len(audit["config"]["guard_depths"])  # one trial each
         assert [p["guard"] for p in audit["prompts"]] == [False] + [True] * guards
+    if (recipe.get("state_audit") or {}).get("close_layers"):  # closed by name when training ended, in the saved weights
+        from safetensors.torch import load_file
+
+        heads = {"1": [0]} if recipe["state_audit"].get("close_heads") else {}
+        assert summary["closed_states"] == {"closed": [0, 1], "closed_heads": heads}
+        weights = load_file(next(run["model"].glob("*.safetensors")))
+        gates = {int(k.split(".layers.")[1].split(".")[0]): v for k, v in weights.items() if k.endswith("mixer.gate")}
+        assert not gates[0].any() and not gates[1][0].any()
+        assert gates[1][1:].all() if heads else not gates[1].any()  # the others as training left them
+    else:
+        assert "closed_states" not in summary
     read = (recipe.get("state_audit") or {}).get("read_sharpness", 1.0)
     if read != 1.0:  # read sharper than trained, in the saved model's operator record too
         assert summary["read_sharpness"]["read"] == read
