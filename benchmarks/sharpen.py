@@ -56,9 +56,9 @@ def check(src: Path, dst: Path, sharpness: float | None, close: tuple[int, ...] 
     from rfkit.callbacks.state_audit import fixed_closing
 
     try:
-        fixed_closing(list(close), heads)
+        fixed_closing(list(close), heads, ("--close-states", "--close-heads"))
     except RFKitError as exc:
-        raise ValueError(str(exc).replace("state_audit.close_heads", "--close-heads").replace("state_audit.close_layers", "--close-states")) from None
+        raise ValueError(str(exc)) from None
     for layer, picked in (heads or {}).items():  # a layer's heads with a state: the ones it replaces
         if max(picked) >= len(selected[layer]):
             raise ValueError(f"--close-heads: layer {layer} has {len(selected[layer])} heads with a state (0 to {len(selected[layer]) - 1}); got heads {picked}")

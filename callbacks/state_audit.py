@@ -167,19 +167,21 @@ class StateAudit(L.Callback):
         print(f"state audit: closed the states of layers {closed}; {quoted} calibration key the window alone quotes is quoted")
 
 
-def fixed_closing(layers, heads) -> tuple[list[int], dict[int, list[int]]]:
+def fixed_closing(layers, heads, names=("state_audit.close_layers", "state_audit.close_heads")) -> tuple[list[int], dict[int, list[int]]]:
     """``close_layers`` and ``close_heads`` checked (types and shape only; the model checks the
-    numbers): raises RFKitError naming the field."""
+    numbers): raises RFKitError naming the field (``names``: what the two are called where they
+    were given, e.g. a script's options)."""
+    layers_name, heads_name = names
 
     def integers(value) -> bool:
         return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
     layers = [] if layers is None else layers
     if not integers(layers) or len(set(layers)) != len(layers):
-        raise RFKitError(f"state_audit.close_layers: a list of distinct decoder layer numbers (integers >= 0), got {layers!r}")
+        raise RFKitError(f"{layers_name}: a list of distinct decoder layer numbers (integers >= 0), got {layers!r}")
     heads = {} if heads is None else heads
     if not isinstance(heads, dict):
-        raise RFKitError(f"state_audit.close_heads: layer -> a list of head numbers (e.g. {{5: [0, 3]}}), got {heads!r}")
+        raise RFKitError(f"{heads_name}: layer -> a list of head numbers (e.g. {{5: [0, 3]}}), got {heads!r}")
     checked = {}
     for layer, picked in heads.items():
         try:
@@ -187,8 +189,8 @@ def fixed_closing(layers, heads) -> tuple[list[int], dict[int, list[int]]]:
         except (TypeError, ValueError):
             number = None
         if number is None or number not in layers:
-            raise RFKitError(f"state_audit.close_heads: layer {layer!r} is not in state_audit.close_layers {list(layers)}; name each layer there too")
+            raise RFKitError(f"{heads_name}: layer {layer!r} is not in {layers_name} {list(layers)}; name each layer there too")
         if not integers(picked) or not picked or len(set(picked)) != len(picked):
-            raise RFKitError(f"state_audit.close_heads: layer {number}: a non-empty list of distinct head numbers (integers >= 0), got {picked!r}")
+            raise RFKitError(f"{heads_name}: layer {number}: a non-empty list of distinct head numbers (integers >= 0), got {picked!r}")
         checked[number] = list(picked)
     return list(layers), checked

@@ -174,23 +174,19 @@ def test_lengths_that_cannot_hold_the_prompt_fail_before_training(tiny_model_dir
     assert "transfer" not in out and not list(root.rglob("summary.json"))
 
 
-def test_read_sharpness_needs_the_hybrid_operator_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--state_audit.read_sharpness", "1.25"], "state_audit.read_sharpness: only rfkit.operators.HybridOperator reads its state with a sharpness; model.operator is rfkit.operators.MambaOperator (use 1)"),
+        (["--state_audit.close_layers", "[0]"], "state_audit.close_layers: only rfkit.operators.HybridOperator and rfkit.operators.HybridMambaOperator have a state gate to close; model.operator is rfkit.operators.MambaOperator (use [])"),
+    ],
+)
+def test_a_state_setting_needs_its_operator_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, args, message):
+    """The Mamba recipe has no sharpness and no state gate: read_sharpness and close_layers are refused."""
     root = tmp_path / "runs"
-    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root, recipe=MAMBA_RECIPE), "--state_audit.read_sharpness", "1.25"]
-    code, out, err = run_cli(args, capsys)
+    code, out, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, root, recipe=MAMBA_RECIPE), *args], capsys)
     lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
     assert code == 2 and len(lines) == 1, err[-2000:]
-    assert "state_audit.read_sharpness: only rfkit.operators.HybridOperator reads its state with a sharpness; model.operator is rfkit.operators.MambaOperator (use 1)" in lines[0]
-    assert "transfer" not in out
-    assert not root.exists() or not any(root.rglob("*.json"))
-
-
-def test_closing_states_needs_a_gated_operator_before_anything_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys):
-    root = tmp_path / "runs"
-    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, root, recipe=MAMBA_RECIPE), "--state_audit.close_layers", "[0]"]
-    code, out, err = run_cli(args, capsys)
-    lines = [line for line in err.splitlines() if line.startswith("rfkit: error:")]
-    assert code == 2 and len(lines) == 1, err[-2000:]
-    assert "state_audit.close_layers: only rfkit.operators.HybridOperator and rfkit.operators.HybridMambaOperator have a state gate to close; model.operator is rfkit.operators.MambaOperator (use [])" in lines[0]
+    assert message in lines[0]
     assert "transfer" not in out
     assert not root.exists() or not any(root.rglob("*.json"))
