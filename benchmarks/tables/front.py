@@ -229,15 +229,10 @@ class Shipped:
 SHIPPED_B075 = Shipped(
     0.75,
     "recipes/smollm2_b075.yaml",
-    (
-        # seed 0: the recipe's own fit; its saved weights are byte for byte the audited fit's
-        # (state_audit_e2e/b075_max4: the audit closed what the recipe now closes by name), whose
-        # long documents and needles were measured
-        Seed(0, "close_fixed/b075_s0/fit_summary.json", "state_audit_e2e/b075_max4/context/context.json",
-             "state_audit_e2e/b075_max4/needles/needles.json", "fit_time_same_session/b05_close_states/fit_summary.json"),
-        Seed(1, "close_fixed/b075_s1/fit_summary.json", "close_fixed/b075_s1/context/context.json",
-             "close_fixed/b075_s1/needles/needles.json", "fit_time_same_session/b05_close_states/fit_summary.json",
-             ppl="close_fixed/b075_s1/ppl/ppl.json"),
+    tuple(
+        Seed(seed, f"close_fixed/b075_l3k_s{seed}/fit_summary.json", f"close_fixed/b075_l3k_s{seed}/context/context.json",
+             f"close_fixed/b075_l3k_s{seed}/needles/needles.json", "fit_time_same_session/b05_session81b/fit_summary.json")
+        for seed in (0, 1)
     ),
     "shipped/b075/free_ppl.json",
     "shipped/b075/context/context.json",
