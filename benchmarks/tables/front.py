@@ -232,7 +232,7 @@ SHIPPED_B075 = Shipped(
     tuple(
         Seed(seed, f"close_fixed/b075_l3k_s{seed}/fit_summary.json", f"close_fixed/b075_l3k_s{seed}/context/context.json",
              f"close_fixed/b075_l3k_s{seed}/needles/needles.json", "fit_time_same_session/b05_session81b/fit_summary.json")
-        for seed in (0, 1)
+        for seed in (0, 1, 2)
     ),
     "shipped/b075/free_ppl.json",
     "shipped/b075/context/context.json",
