@@ -19,11 +19,16 @@ SPEED_BASELINE = "speed_bf16/sink_recent.json"
 LENGTHS = ("2048", "8192")
 
 
+def training_free_name(rows: dict) -> str:
+    """The training-free row's name in a context or needles result's rows (``sink_recent(sink=4,window=72), training-free``)."""
+    return next(n for n in rows if n.startswith("sink_recent"))
+
+
 def baseline_row(rows: dict) -> tuple[str, dict]:
     """A context result's training-free row: its operator, as ``sink_recent(4, 72)``, and the row."""
-    name, row = next((n, r) for n, r in rows.items() if n.startswith("sink_recent"))
+    name = training_free_name(rows)
     spec = name.removesuffix(", training-free")
-    return spec.replace("sink=", "").replace("window=", "").replace(",", ", "), row
+    return spec.replace("sink=", "").replace("window=", "").replace(",", ", "), rows[name]
 
 
 def _ratios(speed: dict, phase: str) -> str:
@@ -255,26 +260,22 @@ SHIPPED_B09 = Shipped(
 )
 
 
-def _training_free(rows: dict) -> tuple[str, dict]:
-    name = next(n for n in rows if n.endswith("training-free"))
-    return name, rows[name]
-
-
 def needle_counts(result: dict, model: str) -> dict:
     """What ``model`` (a row name of a needles result) found: passkeys per length, the share of
-    every prompt, and how many of the training-free model's finds it missed (of how many)."""
-    records = result["records"]
-    free, _ = _training_free(result["rows"])
+    every prompt and how many of the training-free model's finds it missed (the evaluation's own
+    sums; ``None`` for that model itself), and how many it finds."""
+    records, row = result["records"], result["rows"][model]
+    free = training_free_name(result["rows"])
     passkeys = {}
     for r in records:
         if r["shape"] == "passkey":
             passkeys.setdefault(r["length"], []).append(r["answers"][model]["correct"])
-    found_free = [r for r in records if r["answers"][free]["correct"]]
+    missed = row["missed"].get(free)
     return {
         "passkeys": {n: (sum(v), len(v)) for n, v in sorted(passkeys.items())},
-        "overall": sum(r["answers"][model]["correct"] for r in records) / len(records),
-        "missed": sum(not r["answers"][model]["correct"] for r in found_free),
-        "free_found": len(found_free),
+        "overall": row["overall"],
+        "missed": None if missed is None else sum(missed.values()),
+        "free_found": sum(r["answers"][free]["correct"] for r in records),
         "prompts": len(records),
     }
 
@@ -293,8 +294,8 @@ def _shipped_table(spec: Shipped) -> str:
     for fit in fits:
         if abs(fit["ppl_original"] - original_ppl) > 1e-6:
             raise ValueError(f"beta {spec.beta}: the fits measured different Wikipedia blocks")
-    free_name, free_row = _training_free(free_context)
-    free_label = free_name.removesuffix(", training-free").replace("sink=", "").replace("window=", "").replace(",", ", ")
+    free_label, free_row = baseline_row(free_context)
+    free_name = training_free_name(free_context)
     if any(n["baseline"] != free_name for n in needles):
         raise ValueError(f"beta {spec.beta}: the needles' baseline is {needles[0]['baseline']}, the context's {free_name}")
 
@@ -309,7 +310,7 @@ def _shipped_table(spec: Shipped) -> str:
 
     counts = [needle_counts(n, "converted") for n in needles]
     original_counts = needle_counts(needles[0], "original")
-    free_counts = needle_counts(needles[0], _training_free(needles[0]["rows"])[0])
+    free_counts = needle_counts(needles[0], training_free_name(needles[0]["rows"]))
     lengths = " / ".join(f"{n:,}" for n in original_counts["passkeys"])
     per = next(iter(original_counts["passkeys"].values()))[1]
 
