@@ -31,6 +31,14 @@ VARIED = (
 )  # fmt: skip
 # the long blocks of end-to-end training each variant takes (its SmolLM2 counterpart's mix)
 LONG_MIX = {"llama2_b09_hybrid": 4096, "qwen2_05b_b05_hybrid": 2048, "qwen2_7b_b09_hybrid": 4096}
+# the beta 0.9 variants take what recipes/smollm2_b09.yaml found: heads ranked by measured loss on
+# two lengths of the plays (the model's context allowing), the decay horizon at 2,048, and long
+# blocks shifted to the model's long positions where its context is longer than them
+AT_B09 = {
+    "llama2_b09_hybrid": {"long_seq_len": [2048, 4096], "position_jitter": 0},
+    "qwen2_7b_b09_hybrid": {"long_seq_len": [2048, 8192], "position_jitter": 28672},
+}
+AT_B09_VARIED = ("model.policy", "model.position_jitter", "model.position_jitter_batches")
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +55,10 @@ def parsed():
         yield get
 
 
-def _shared(config):
+def _shared(config, extra=()):
     config = config.clone()
     del config["config"]  # the recipe's own path
-    for key in VARIED:
+    for key in (*VARIED, *extra):
         del config[key]
     return config.as_dict()
 
@@ -61,8 +69,21 @@ def test_hybrid_variant_changes_only_the_operator_and_its_training(name, parsed)
     config, base = parsed(name), parsed(varied)
     operator = config.model.operator
     assert operator.class_path == "rfkit.operators.HybridOperator"
-    assert operator.init_args.as_dict() == OPERATOR_ARGS
-    assert _shared(config) == _shared(base)  # model, policy, data, trainer, strategy, precision, callbacks
+    b09 = AT_B09.get(name)
+    assert operator.init_args.as_dict() == {**OPERATOR_ARGS, **({"decay_horizon": 2048} if b09 else {})}
+    extra = AT_B09_VARIED if b09 else ()
+    assert _shared(config, extra) == _shared(base, extra)  # model, policy, data, trainer, strategy, precision, callbacks
+    policy, base_policy = config.model.policy, base.model.policy
+    if b09:
+        assert policy.class_path == "rfkit.policies.StreamedLossPolicy"
+        args = policy.init_args
+        assert args.beta == base_policy.init_args.beta == 0.9 and args.granularity == "kv_group"
+        assert (args.sink, args.recent, args.blocks, args.long_source) == (4, 64, [2, 1], "embedded:shakespeare")
+        assert args.long_seq_len == b09["long_seq_len"]
+        assert config.model.position_jitter == b09["position_jitter"]
+        assert config.model.position_jitter_batches == ("long" if b09["position_jitter"] else base.model.position_jitter_batches)
+    else:
+        assert policy == base_policy
     assert config.trainer.default_root_dir == f"runs/{name}"  # never resumes the Mamba run's checkpoints
 
     model = config.model
@@ -124,7 +145,7 @@ def _converted(name, config, dtype=torch.float32):
     report = transfer(model, ids, TransferConfig(**settings), progress=False)
     for i in report["layers"]:
         mixer = model.model.layers[i].self_attn.mixer
-        assert torch.all(mixer.gate > 0) and mixer.decay_horizon == 128.0  # gates open, the recipe's horizon
+        assert torch.all(mixer.gate > 0) and mixer.decay_horizon == (2048.0 if name in AT_B09 else 128.0)  # gates open, the recipe's horizon
     return model, report["layers"]
 
 

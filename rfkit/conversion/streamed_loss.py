@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rfkit.conversion.policies import PolicyError, RecencyRatioPolicy
-from rfkit.conversion.profile import HeadProfile, capture_attention, profile_heads
+from rfkit.conversion.profile import HeadProfile, _all_reduce, capture_attention, collective_device, dist_rank_world, profile_heads
 from rfkit.models.layout import AttentionLayout
 from rfkit.validate import in_range, positive_int
 
@@ -172,6 +172,24 @@ def streamed_losses(model, batches, units: list[tuple[int, list[int]]], sink: in
         probe.layer, probe.heads = None, []
         model.train(was_training)
     return StreamedLosses(base / tokens, losses, tokens, answer_base / answers if answers else 0.0, answer_losses, answers)
+
+
+def sharded_increases(model, batches, units: list[tuple[int, list[int]]], sink: int, recent: int, progress: bool = True) -> StreamedLosses:
+    """:func:`streamed_losses` with each unit's *increase* in ``losses`` and ``answer_losses``.
+    Under ``torch.distributed`` (more than one rank, the same arguments on each) rank r measures
+    units r, r + world_size, ... against its own baseline and the increases are all-reduced: every
+    rank ranks on the same numbers; ``base`` and ``answer_base`` are the ranks' mean baselines."""
+    rank, world = dist_rank_world()
+    mine = list(range(rank, len(units), world))
+    got = streamed_losses(model, batches, [units[i] for i in mine], sink, recent, progress and rank == 0)
+    increases = torch.zeros(2, len(units), dtype=torch.float64)
+    for i, loss, answer in zip(mine, got.losses, got.answer_losses):
+        increases[0, i], increases[1, i] = loss - got.base, answer - got.answer_base
+    bases = torch.tensor([got.base, got.answer_base], dtype=torch.float64)
+    if world > 1:  # every rank reaches this, also one with no unit of its own
+        increases, bases = _all_reduce([increases, bases], collective_device(next(model.parameters()).device))
+        bases = bases / world
+    return StreamedLosses(float(bases[0]), increases[0].tolist(), got.tokens, float(bases[1]), increases[1].tolist(), got.answers)
 
 
 class StreamedLossPolicy(RecencyRatioPolicy):
@@ -317,13 +335,13 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             for layer in range(layout.num_layers)
             for u in range(per_layer)
         ]
-        got = streamed_losses(model, measured, units, self.sink, self.recent, progress)
+        got = sharded_increases(model, measured, units, self.sink, self.recent, progress)
         delta = [[0.0] * per_layer for _ in range(layout.num_layers)]
         delta_recall = [[0.0] * per_layer for _ in range(layout.num_layers)]
-        for (layer, heads), loss, answer in zip(units, got.losses, got.answer_losses):
+        for (layer, heads), increase, answer in zip(units, got.losses, got.answer_losses):
             unit = layout.kv_head_of(heads[0]) if self.granularity == "kv_group" else heads[0]
-            delta[layer][unit] = round(loss - got.base, 7)
-            delta_recall[layer][unit] = round(answer - got.answer_base, 7)
+            delta[layer][unit] = round(increase, 7)
+            delta_recall[layer][unit] = round(answer, 7)
         recall = {
             "recall": {"records": self.recall, "gap": self.recall_gap, "answers": got.answers,
                        "baseline_loss": round(got.answer_base, 7), "delta": delta_recall},
@@ -466,20 +484,10 @@ def disagreement(layout: AttentionLayout, profile, beta: float, recall_weight: f
     def row(key):
         return {"layer": key[0], "group": key[1], "rai": scores[key][0], "rr_mean": round(scores[key][1], 4), "delta": delta[key[0]][key[1]]}
 
-    return {
-        "beta": beta,
-        "replaced": len(by_loss),
-        "agree": len(by_loss & by_rr),
-        "only_streamed_loss": [row(k) for k in sorted(by_loss - by_rr)],
-        "only_recency": [row(k) for k in sorted(by_rr - by_loss)],
-    }
+    return {"beta": beta, "replaced": len(by_loss), "agree": len(by_loss & by_rr),
+            "only_streamed_loss": [row(k) for k in sorted(by_loss - by_rr)], "only_recency": [row(k) for k in sorted(by_rr - by_loss)]}  # fmt: skip
 
 
 def _groups(layout: AttentionLayout, selected) -> set[tuple[int, int]]:
     """The (layer, KV group) pairs a selection replaces whole."""
-    return {
-        (layer, g)
-        for layer, heads in enumerate(selected)
-        for g in range(layout.num_kv_heads)
-        if set(layout.query_heads_of(g)) <= set(heads)
-    }
+    return {(layer, g) for layer, heads in enumerate(selected) for g in range(layout.num_kv_heads) if set(layout.query_heads_of(g)) <= set(heads)}

@@ -102,9 +102,23 @@ def _profile_worker(rank: int, world: int, port: int, out: str, caches: list[str
             "files_after_first": files,
             "profiles": [asdict(p) for p in (first, again, reused)],
         }
+        # measured-loss ranking: each rank streams every other unit, the increases are all-reduced
+        result["streamed"] = streamed_profile(model)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def streamed_profile(model) -> dict:
+    """The measured-loss record and selection of :class:`StreamedLossPolicy` on 3 calibration
+    batches (world size 2: rank 1 measures the odd units)."""
+    from rfkit.conversion.streamed_loss import StreamedLossPolicy
+    from rfkit.models.layout import AttentionLayout
+
+    policy = StreamedLossPolicy(sink=1, recent=4, blocks=3 * BATCH, **POLICY)
+    profile = policy.make_profile(model, calibration(3), progress=False)
+    selected = policy.select(AttentionLayout.from_config(model.config), profile)
+    return {"measured": profile.meta["measured"], "selected": [sorted(int(h) for h in heads) for heads in selected]}
 
 
 def cached_files(cache: str) -> list[str]:
@@ -155,6 +169,17 @@ def test_profile_heads_in_two_processes_equals_one_process(tmp_path):
             assert profile["rai"] == ref["rai"] and profile["samples"] == 10
     assert len(ranks[0]["profile_for"]["files_after_first"]) == 1  # rank 0 wrote the cache file
     assert ranks[1]["profile_for"]["files_after_first"] == []  # rank 1 did not
+
+    # the measured-loss policy: units split over the ranks, every rank the one-process numbers
+    single = streamed_profile(model)
+    deltas = [d for row in single["measured"]["delta"] for d in row]
+    assert len(deltas) >= 4 and len(set(deltas)) == len(deltas)  # units that rank differently
+    for result in ranks:
+        got = result["streamed"]
+        torch.testing.assert_close(torch.tensor(got["measured"]["delta"]), torch.tensor(single["measured"]["delta"]), atol=2e-6, rtol=0)
+        assert got["measured"]["baseline_loss"] == pytest.approx(single["measured"]["baseline_loss"], abs=1e-6)
+        assert got["selected"] == single["selected"]
+    assert ranks[0]["streamed"] == ranks[1]["streamed"]  # the same numbers on both ranks
 
 
 def run_fit(args: list[str], cache: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
