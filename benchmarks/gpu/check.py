@@ -122,7 +122,7 @@ def plan(mode: str, py: str, carry: Path, work: Path, out: Path) -> list[Step]:
              {"gpu": 180, "cpu": 240}),
         Step("recipes", "every GPU recipe whole at a tiny scale: its precision, its FSDPStrategy on one device",
              [pytest + [str(REPO / "tests" / "cuda" / "test_recipes_cuda.py")]], {"gpu": 120, "cpu": 120}),
-        Step("table2", "the paper's Table 2 at Llama-2-7B's shape: cache, longest input, decode speed (Mamba and hybrid)",
+        Step("table2", "the paper's Table 2 at Llama-2-7B's shape: cache, longest input, decode speed (Mamba and hybrid), the hybrid's head measurement",
              [shapes + ["table2", "--shapes", "llama2-7b", "--operators", "hybrid,mamba", "--device", device, "--output", str(work),
                         "--budget-s", "60" if cpu else "170", *tiny]],
              {"gpu": 200, "cpu": 120}, outputs=["table2.json"]),

@@ -41,8 +41,14 @@ Qwen2-0.5B at beta 0.5, each with the paper's Mamba operator and rfkit's hybrid:
   measured again with the prompt prefilled in chunks of 4,096 tokens and the decode as a greedy
   forward loop, for both models.
 
+- what the hybrid recipe's head choice costs where it measures heads (``StreamedLossPolicy``: the
+  beta 0.9 hybrids): the pass that keeps every layer's output on the policy's blocks (random ids),
+  then a few KV groups spread over the layers each streamed, timed and extrapolated to every group
+  (:func:`heads_numbers`), with the peak memory.
+
 Order within a shape: the original's cache and l_m (alone), then per operator: the converted model,
-its cache, the decode pair, then (the original freed) its l_m. Memory is freed between models.
+its cache, the decode pair, then (the original freed) its l_m; last the head measurement, on the
+original built again. Memory is freed between models.
 
 Output, rewritten atomically after every measurement (a run killed by a time limit leaves every
 finished row): ``DIR/{speed,table2}.json`` (one row per measurement, with device, dtype, versions
@@ -74,7 +80,9 @@ eager decode pays ~0.3-0.5 ms of kernel launches per layer and token):
   L x d_inner x 16 float32); hybrid: cache ~4 s, decode 8k ~5 s, 32k ~15 s (a 7B decode token is
   13.5 GB of weights, ~5 ms, plus ~15 ms of launches; each 32k prefill ~1.5 s), l_m 2 probes ~12 s
   (32k, then the 131,072 cap). Qwen2-7B ~1.8 min (its Mamba blocks are small: 4 KV heads a layer;
-  its l_m probes reach the cap: ~11 s for 131k tokens). Qwen2-0.5B ~0.5 min.
+  its l_m probes reach the cap: ~11 s for 131k tokens). Qwen2-0.5B ~0.5 min. The head measurement
+  of each 7B shape ~10-15 s (a build, two passes over 8,192 or 12,288 tokens, 4 groups from their
+  layers on).
 """
 
 from __future__ import annotations
@@ -157,13 +165,13 @@ SETTINGS = {
         speed_contexts=[2048, 8192, 32768], speed_batches=[1, 16], decode_contexts=[8192, 32768],
         cache_lengths=[10240, 61440], prompt_len=64, cache_chunk=4096, decode_chunk=4096,
         probe_start=32768, probe_cap=131072, probe_step=1024, max_probes=4, runs=3, decode_tokens=16,
-        compile_backend=None,
+        compile_backend=None, heads_lengths=None, heads_units=4,
     ),
     True: dict(
         speed_contexts=[256, 1024], speed_batches=[1, 4], decode_contexts=[256, 1024],
         cache_lengths=[256, 1024], prompt_len=16, cache_chunk=128, decode_chunk=128,
         probe_start=256, probe_cap=4096, probe_step=64, max_probes=4, runs=2, decode_tokens=4,
-        compile_backend="aot_eager",
+        compile_backend="aot_eager", heads_lengths=[64, 128], heads_units=2,
     ),
 }  # fmt: skip
 TINY_PROBE_BUDGET = 4 * MiB  # --tiny l_m budget on the CPU (prefill peak measured as RSS growth)
@@ -264,6 +272,15 @@ def read_recipe(recipe: str) -> tuple:
     model = yaml.safe_load(path.read_text())["model"]
     operator = ReplacementOperator.from_dict(model["operator"])
     return operator, float(model["policy"]["init_args"]["beta"]), f"recipes/{recipe}"
+
+
+def read_streamed_policy(recipe: str) -> dict | None:
+    """The ``init_args`` of a recipe's policy when it ranks heads by measured loss
+    (``StreamedLossPolicy``), else None."""
+    import yaml
+
+    policy = yaml.safe_load((RECIPES / recipe).read_text())["model"]["policy"]
+    return dict(policy.get("init_args") or {}) if policy["class_path"].endswith("StreamedLossPolicy") else None
 
 
 def _param_summary(model) -> dict:
@@ -436,6 +453,44 @@ class Record:
 def model_row(lazy: Lazy) -> dict:
     lazy.get()
     return dict(lazy.info)
+
+
+def heads_numbers(model, policy: dict, settings: dict, device) -> dict:
+    """What the recipe's measured-loss head ranking (``StreamedLossPolicy``) costs at this shape:
+    the pass that keeps every layer's output, then ``heads_units`` KV groups spread over the
+    layers each streamed on the policy's blocks (random token ids; ``heads_lengths`` in the
+    rehearsal), extrapolated to every group of the model (one rank; N ranks share the groups)."""
+    from rfkit.conversion.streamed_loss import _lengths_and_counts, streamed_losses
+    from rfkit.models.layout import AttentionLayout
+
+    layout = AttentionLayout.from_config(model.config)
+    lengths, counts = _lengths_and_counts(policy.get("long_seq_len", 2048), policy.get("blocks", 8))
+    lengths = settings["heads_lengths"] or lengths
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, model.config.vocab_size, (1, n), generator=generator)}
+               for n, count in zip(lengths, counts) for _ in range(count)]  # fmt: skip
+    k = min(settings["heads_units"], layout.num_layers)
+    layers = sorted({round(i * (layout.num_layers - 1) / max(k - 1, 1)) for i in range(k)})
+    units = [(layer, layout.query_heads_of(0)) for layer in layers]
+    sink, recent = int(policy.get("sink", 4)), int(policy.get("recent", 64))
+    seconds = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for measured in ([], units):  # the kept pass alone, then with the units
+        started = time.perf_counter()
+        streamed_losses(model, batches, measured, sink, recent, progress=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    per_unit = max(seconds[1] - seconds[0], 0.0) / len(units)
+    total = layout.num_layers * layout.num_kv_heads
+    return {
+        "lengths": lengths, "blocks": counts, "sink": sink, "recent": recent, "units_total": total,
+        "units_timed": len(units), "layers_timed": layers, "kept_pass_s": round(seconds[0], 3),
+        "seconds_per_unit": round(per_unit, 4), "estimated_s": round(seconds[0] + per_unit * total, 1),
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }  # fmt: skip
 
 
 def cache_numbers(model, length: int, settings: dict, device, original_row: dict | None) -> dict:
@@ -718,6 +773,12 @@ def run_table2(args, rec: Record, settings: dict, device, dtype) -> None:
 
             rec.measure(ident, longest, device)
             converted.drop()
+        # what choosing the hybrid recipe's heads costs, when it measures them (last: the rows above come first)
+        policy = read_streamed_policy(spec["recipes"]["hybrid"]) if "hybrid" in args.operators else None
+        if policy is not None:
+            ident = {**base, "measurement": "heads", "operator": "hybrid", "model": "original",
+                     "policy": "StreamedLossPolicy", "recipe": f"recipes/{spec['recipes']['hybrid']}"}  # fmt: skip
+            rec.measure(ident, lambda policy=policy: heads_numbers(original.get(), policy, settings, device), device)
         original.drop()
 
 
@@ -736,6 +797,9 @@ def summary_line(row: dict) -> str:
     if m == "cache":
         ratio = "" if "ratio_analytic" not in row else f", cs {row['ratio']:.4f} (analytic {row['ratio_analytic']:.4f})"
         return f"{head}: {row['cache_bytes'] / MiB:,.1f} MiB{ratio}"
+    if m == "heads":
+        return (f"{head}: {row['units_total']} KV groups, {row['seconds_per_unit']:.2f} s each after a {row['kept_pass_s']:.1f} s pass: "
+                f"~{row['estimated_s'] / 60:.1f} min on one device")  # fmt: skip
     if m == "max_input":
         at = ">= " if row["at_cap"] else ""
         return f"{head}: l_m {at}{row['max_input']:,} tokens ({len(row['probes'])} probes, budget {human(row['budget_bytes'])})"
@@ -793,6 +857,18 @@ def markdown(result: dict) -> str:
             paper = "-" if r.get("paper") is None else f"{r['paper']:,}"
             body = _cells(r, lambda r: f"{'>= ' if r['at_cap'] else ''}{r['max_input']:,} | {r['budget_bytes'] / GiB:.2f} | {len(r['probes'])}")
             lines.append(f"| {r['shape']} | {r['model']} | {r.get('operator') or '-'} | {body} | {paper} |")
+        lines.append("")
+    heads = [r for r in rows if r["measurement"] == "heads"]
+    if heads:
+        lines += ["| shape | recipe | measured blocks (tokens) | KV groups | timed | kept pass (s) | s per group | estimated (min) | peak (GiB) |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in heads:
+            body = _cells(r, lambda r: (
+                f"{' + '.join(f'{c} x {n:,}' for n, c in zip(r['lengths'], r['blocks']))} | {r['units_total']:,} | {r['units_timed']} | "
+                f"{r['kept_pass_s']:.1f} | {r['seconds_per_unit']:.2f} | {r['estimated_s'] / 60:.1f} | "
+                + ("-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / GiB:.1f}")
+            ))  # fmt: skip
+            lines.append(f"| {r['shape']} | {r['recipe']} | {body} |")
         lines.append("")
     for note in result.get("notes", []):
         lines.append(f"Note: {note}.")

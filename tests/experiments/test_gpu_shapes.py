@@ -98,14 +98,23 @@ def test_table2_tiny_cache_ratio_is_below_one_and_matches_the_analytic_predictio
         assert longest["ratio"] == pytest.approx(longest["max_input"] / longest["max_input_original"])
     text = (tmp_path / "table2.md").read_text()
     assert "| qwen2-7b | converted | hybrid | 1,024 |" in text
+    # the hybrid recipe ranks its heads by measured loss: what that costs at this shape, one row
+    (heads,) = _rows(out, measurement="heads")
+    assert (heads["recipe"], heads["policy"]) == ("recipes/qwen2_7b_b09_hybrid.yaml", "StreamedLossPolicy")
+    assert heads["units_total"] == 2 * 4 and heads["units_timed"] == 2 and heads["layers_timed"] == [0, 1]  # 2 layers x 4 KV groups
+    assert heads["lengths"] == [64, 128] and heads["blocks"] == [2, 1]  # the recipe's block counts at the rehearsal's lengths
+    assert heads["seconds_per_unit"] > 0 and heads["estimated_s"] >= heads["kept_pass_s"] + 8 * heads["seconds_per_unit"] - 0.1
+    assert "| qwen2-7b | recipes/qwen2_7b_b09_hybrid.yaml | 2 x 64 + 1 x 128 | 8 | 2 |" in text
 
 
 def test_budget_zero_records_every_measurement_as_skipped_without_building_a_model(shapes, tmp_path, monkeypatch):
     monkeypatch.setattr(shapes, "build_original", lambda *a, **k: pytest.fail("a model was built"))
     assert shapes.main(["table2", "--tiny", "--device", "cpu", "--output", str(tmp_path), "--budget-s", "0"]) == 0
     rows = _rows(tmp_path / "table2.json")
-    # per shape: the original's model row, 2 cache lengths, l_m; per operator: model, 2 caches, 2 decodes, l_m
-    assert len(rows) == 3 * (4 + 2 * 6)
+    # per shape: the original's model row, 2 cache lengths, l_m; per operator: model, 2 caches, 2 decodes, l_m;
+    # the two beta 0.9 shapes' head measurement (their hybrid recipes rank heads by measured loss)
+    assert len(rows) == 3 * (4 + 2 * 6) + 2
+    assert sorted(r["shape"] for r in rows if r["measurement"] == "heads") == ["llama2-7b", "qwen2-7b"]
     assert all(r["skipped"] == "time budget" for r in rows)
     assert {r["shape"] for r in rows} == {"llama2-7b", "qwen2-7b", "qwen2-0.5b"}
     assert "skipped: time budget" in (tmp_path / "table2.md").read_text()
