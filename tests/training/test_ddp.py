@@ -273,6 +273,29 @@ def test_fit_under_ddp_writes_one_summary_counting_both_ranks(single_run, tiny_m
     assert any(v[1] > 0 for n, v in ranks[0].items() if ".lora_B." in n)  # the adapters did train (B starts at 0)
 
 
+@pytest.mark.slow
+def test_fit_under_ddp_ranks_heads_by_measured_loss_as_one_process(tiny_model_dir, tiny_corpus, tmp_path):
+    """The beta 0.9 GPU hybrids' head ranking (``StreamedLossPolicy`` on long blocks of two
+    lengths) under DDP: each rank streams half the KV groups, and the head map is the one one
+    process writes (its measured increases to 2e-6, the same groups replaced)."""
+    policy = [
+        "--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.beta", "0.5",
+        "--model.policy.init_args.recent", "8", "--model.policy.init_args.long_source", str(tiny_corpus),
+        "--model.policy.init_args.long_seq_len", "[48, 96]", "--model.policy.init_args.blocks", "[2, 1]",
+    ]  # fmt: skip
+    single = fit_run("single_streamed", tmp_path, tiny_model_dir, tiny_corpus, *policy, in_process=True)
+    run = fit_run("ddp_streamed", tmp_path, tiny_model_dir, tiny_corpus, "--trainer.strategy", "ddp", *CPU2, *policy)
+    assert "GLOBAL_RANK: 1" in run["output"]
+    measured, one = run["head_map"]["measured"], single["head_map"]["measured"]
+    assert measured["seq_len"] == one["seq_len"] == [48, 96] and measured["blocks"] == one["blocks"]
+    for length in ("48", "96"):  # each length's own increases, then their combination
+        got, want = measured["by_length"][length]["delta"], one["by_length"][length]["delta"]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-6, rtol=0)
+        assert len({d for row in want for d in row}) > 2  # increases that rank, not all equal
+    torch.testing.assert_close(torch.tensor(measured["delta"]), torch.tensor(one["delta"]), atol=1e-4, rtol=0)
+    assert run["head_map"]["selected"] == single["head_map"]["selected"]
+
+
 class CPUFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy on CPU with gloo, for these tests: Lightning refuses FSDP without a
     GPU (it checks for this exact class), and torch's FSDP needs ``device_id=cpu`` there."""
