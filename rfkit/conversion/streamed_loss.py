@@ -208,7 +208,8 @@ class StreamedLossPolicy(RecencyRatioPolicy):
             bytes of rfkit's default hybrid state, see ``rfkit eval context --baseline matched``).
         blocks: Blocks the loss is measured on: the first ones of the calibration set (all of
             them when fewer), or with ``long_source`` that many blocks spread evenly over its
-            train split. Cost: one pass over them per unit, from the unit's layer on. With
+            train split. Cost: one pass over them per unit, from the unit's layer on, the units
+            split over the ranks under DDP / FSDP (:func:`sharded_increases`). With
             several ``long_seq_len``, one count per length (or one for all).
         long_source: Measure on long documents instead (a data source such as
             ``embedded:shakespeare``, read in the recipe's tokenisation, train split): a head
