@@ -205,6 +205,17 @@ def run_fit(args: list[str], cache: Path, cwd: Path, timeout: float = 240) -> su
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def streamed_policy(corpus) -> list[str]:
+    """The beta 0.9 GPU hybrids' head ranking (``StreamedLossPolicy`` on long blocks of two
+    lengths) at the tiny scale: every fit here ranks heads this way, so the distributed runs also
+    check that each rank streams its share of the KV groups and all write the one-process map."""
+    return [
+        "--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.beta", "0.5",
+        "--model.policy.init_args.recent", "8", "--model.policy.init_args.long_source", str(corpus),
+        "--model.policy.init_args.long_seq_len", "[48, 96]", "--model.policy.init_args.blocks", "[2, 1]",
+    ]  # fmt: skip
+
+
 def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str, in_process: bool = False) -> dict:
     """One ``rfkit fit`` of the tiny recipe (``tiny_args`` of test_cli) under ``root``; the run's
     summary, head map and output (none in process), after checking that exactly one summary was
@@ -213,7 +224,7 @@ def fit_run(name: str, root: Path, tiny_model_dir, tiny_corpus, *extra: str, in_
     from helpers import run_in_process, tiny_args
 
     run_root = root / name
-    args = [*tiny_args(tiny_model_dir, tiny_corpus, run_root), "--model.reuse_profile", "false", *extra]
+    args = [*tiny_args(tiny_model_dir, tiny_corpus, run_root), "--model.reuse_profile", "false", *streamed_policy(tiny_corpus), *extra]
     if in_process:
         run_in_process(["fit", *args], root / "cache")
         output = ""
@@ -248,6 +259,14 @@ def check_distributed_run(run: dict, single: dict) -> None:
     assert run["summary"]["train_tokens"] == 2 * single["summary"]["train_tokens"]  # both ranks' tokens
     assert run["head_map"]["selected"] == single["head_map"]["selected"]
     assert run["head_map"]["rai"] == single["head_map"]["rai"]  # the all-reduced profile
+    # the measured-loss ranking: the ranks split the KV groups, the increases are all-reduced
+    measured, one = run["head_map"]["measured"], single["head_map"]["measured"]
+    assert measured["seq_len"] == one["seq_len"] == [48, 96] and measured["blocks"] == one["blocks"]
+    for length in ("48", "96"):  # each length's own increases, then their combination
+        got, want = measured["by_length"][length]["delta"], one["by_length"][length]["delta"]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-6, rtol=0)
+        assert len({d for row in want for d in row}) > 2  # increases that rank, not all equal
+    torch.testing.assert_close(torch.tensor(measured["delta"]), torch.tensor(one["delta"]), atol=1e-4, rtol=0)
     assert run["head_map"]["samples"] == single["head_map"]["samples"] == 4
     assert run["summary"]["replaced_heads"] == single["summary"]["replaced_heads"] == 4
 
@@ -271,29 +290,6 @@ def test_fit_under_ddp_writes_one_summary_counting_both_ranks(single_run, tiny_m
     for name, value in ranks[0].items():
         assert ranks[1][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
     assert any(v[1] > 0 for n, v in ranks[0].items() if ".lora_B." in n)  # the adapters did train (B starts at 0)
-
-
-@pytest.mark.slow
-def test_fit_under_ddp_ranks_heads_by_measured_loss_as_one_process(tiny_model_dir, tiny_corpus, tmp_path):
-    """The beta 0.9 GPU hybrids' head ranking (``StreamedLossPolicy`` on long blocks of two
-    lengths) under DDP: each rank streams half the KV groups, and the head map is the one one
-    process writes (its measured increases to 2e-6, the same groups replaced)."""
-    policy = [
-        "--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.beta", "0.5",
-        "--model.policy.init_args.recent", "8", "--model.policy.init_args.long_source", str(tiny_corpus),
-        "--model.policy.init_args.long_seq_len", "[48, 96]", "--model.policy.init_args.blocks", "[2, 1]",
-    ]  # fmt: skip
-    single = fit_run("single_streamed", tmp_path, tiny_model_dir, tiny_corpus, *policy, in_process=True)
-    run = fit_run("ddp_streamed", tmp_path, tiny_model_dir, tiny_corpus, "--trainer.strategy", "ddp", *CPU2, *policy)
-    assert "GLOBAL_RANK: 1" in run["output"]
-    measured, one = run["head_map"]["measured"], single["head_map"]["measured"]
-    assert measured["seq_len"] == one["seq_len"] == [48, 96] and measured["blocks"] == one["blocks"]
-    for length in ("48", "96"):  # each length's own increases, then their combination
-        got, want = measured["by_length"][length]["delta"], one["by_length"][length]["delta"]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-6, rtol=0)
-        assert len({d for row in want for d in row}) > 2  # increases that rank, not all equal
-    torch.testing.assert_close(torch.tensor(measured["delta"]), torch.tensor(one["delta"]), atol=1e-4, rtol=0)
-    assert run["head_map"]["selected"] == single["head_map"]["selected"]
 
 
 class CPUFSDPStrategy(FSDPStrategy):
