@@ -262,14 +262,18 @@ def shape_config(name: str, tiny: bool):
     return cls(**fields), source
 
 
-def read_recipe(recipe: str) -> tuple:
-    """``(operator, beta, recipe path)`` of a recipe's ``model`` section."""
+def _model_section(recipe: str) -> dict:
+    """The ``model`` section of ``recipes/<recipe>``."""
     import yaml
 
+    return yaml.safe_load((RECIPES / recipe).read_text())["model"]
+
+
+def read_recipe(recipe: str) -> tuple:
+    """``(operator, beta, recipe path)`` of a recipe's ``model`` section."""
     from rfkit.models.operators import ReplacementOperator
 
-    path = RECIPES / recipe
-    model = yaml.safe_load(path.read_text())["model"]
+    model = _model_section(recipe)
     operator = ReplacementOperator.from_dict(model["operator"])
     return operator, float(model["policy"]["init_args"]["beta"]), f"recipes/{recipe}"
 
@@ -277,9 +281,7 @@ def read_recipe(recipe: str) -> tuple:
 def read_streamed_policy(recipe: str) -> dict | None:
     """The ``init_args`` of a recipe's policy when it ranks heads by measured loss
     (``StreamedLossPolicy``), else None."""
-    import yaml
-
-    policy = yaml.safe_load((RECIPES / recipe).read_text())["model"]["policy"]
+    policy = _model_section(recipe)["policy"]
     return dict(policy.get("init_args") or {}) if policy["class_path"].endswith("StreamedLossPolicy") else None
 
 
@@ -460,11 +462,12 @@ def heads_numbers(model, policy: dict, settings: dict, device) -> dict:
     the pass that keeps every layer's output, then ``heads_units`` KV groups spread over the
     layers each streamed on the policy's blocks (random token ids; ``heads_lengths`` in the
     rehearsal), extrapolated to every group of the model (one rank; N ranks share the groups)."""
-    from rfkit.conversion.streamed_loss import _lengths_and_counts, streamed_losses
+    from rfkit.conversion.streamed_loss import StreamedLossPolicy, streamed_losses
     from rfkit.models.layout import AttentionLayout
 
     layout = AttentionLayout.from_config(model.config)
-    lengths, counts = _lengths_and_counts(policy.get("long_seq_len", 2048), policy.get("blocks", 8))
+    policy = StreamedLossPolicy(**policy)  # the recipe's own checks and defaults
+    lengths, counts = (list(x) for x in zip(*policy.lengths()))
     lengths = settings["heads_lengths"] or lengths
     generator = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, model.config.vocab_size, (1, n), generator=generator)}
@@ -472,7 +475,7 @@ def heads_numbers(model, policy: dict, settings: dict, device) -> dict:
     k = min(settings["heads_units"], layout.num_layers)
     layers = sorted({round(i * (layout.num_layers - 1) / max(k - 1, 1)) for i in range(k)})
     units = [(layer, layout.query_heads_of(0)) for layer in layers]
-    sink, recent = int(policy.get("sink", 4)), int(policy.get("recent", 64))
+    sink, recent = policy.sink, policy.recent
     seconds = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
