@@ -295,3 +295,20 @@ def test_the_folders_code_warns_outside_the_transformers_range_it_states():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exec(_version_check(">=5.0,<6", "9.9"), {})  # the installed one: silent
+
+
+def test_the_folders_code_is_generated_once_while_the_sources_stay_the_same(monkeypatch):
+    from rfkit.models import export
+
+    made = []
+    real = export._generate
+    monkeypatch.setattr(export, "_GENERATED", {})
+    monkeypatch.setattr(export, "_generate", lambda: made.append(1) or real())
+    first = export.generated_files()
+    first["modeling_rfkit.py"] = "changed by a caller"
+    second = export.generated_files()
+    assert len(made) == 1 and second["modeling_rfkit.py"] != "changed by a caller"  # kept, handed out as a copy
+    stamp = export._source_stamp()
+    assert any(path.endswith("/models/modeling.py") for path, _, _ in stamp)
+    monkeypatch.setattr(export, "_source_stamp", lambda: stamp[1:])  # a source file changed (or went)
+    assert export.generated_files() == second and len(made) == 2  # made again

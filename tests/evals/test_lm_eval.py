@@ -100,6 +100,16 @@ def test_unknown_tasks_are_named_before_the_model_loads(tiny_model_dir, capsys, 
     assert "helaswag -> hellaswag" in lines[0] and "--include-path" in lines[0] and "lm-eval --tasks list" in lines[0]
 
 
+def test_local_tasks_are_found_without_indexing_lm_evals_own(offline):
+    from rfkit.evals.lm_eval import task_manager
+
+    local = task_manager(str(TASKS), [TASK])  # every name a task of the include path: that folder alone
+    assert TASK in local.all_subtasks and "hellaswag" not in local.all_tasks
+    full = task_manager(str(TASKS), ["hellaswag", TASK])  # one of lm-eval's own: the full index
+    assert full is not local and {"hellaswag", TASK} <= set(full.all_tasks)
+    assert task_manager(str(TASKS), [TASK]) is local and task_manager(str(TASKS), ["hellaswag"]) is full  # kept per process
+
+
 @pytest.mark.slow
 def test_local_task_on_the_tiny_model_matches_the_accuracy_by_hand(tiny_model_dir, tmp_path, capsys, offline):
     out = tmp_path / "lm.json"
