@@ -35,9 +35,11 @@ demo: setup
 # One pytest-xdist worker per core (TEST_WORKERS=0 runs them in this process), a test file per
 # worker (module fixtures and subprocess ports stay together), one OpenMP thread each: the tests
 # are tiny, and two workers' thread pools fighting over the cores made some of them 3x slower.
+# --no-loadscope-reorder: files go out in collection order (tests/conftest.py puts the longest
+# first), not xdist's default of most tests first, which left the few-test real fits for last.
 TEST_WORKERS ?= auto
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 gpu-carry: setup
 	$(BIN)/python benchmarks/gpu/carry.py --output .gpu-carry

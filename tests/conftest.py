@@ -30,20 +30,26 @@ def pytest_configure(config):
 
 # The test files that take longest (the slowest tests of `make test` on the 2-core CI machine,
 # summed per file), longest first. `make test` hands whole files to its workers in collection
-# order (pytest-xdist --dist loadfile); run last, one of these keeps one worker busy for a minute
-# or two while the other has finished. Started first, the many short files fill in around them.
-# The "test files by time" table at the end of a run gives the current figures.
+# order (pytest-xdist --dist loadfile --no-loadscope-reorder; xdist's default order, most tests
+# first, sent the few-test real fits out last, and one worker ran them alone at the end). Started
+# first, these leave the many short files to fill in around them. The "test files by time" table
+# at the end of a run gives the current figures.
 LONGEST_FIRST = (
-    "tests/test_integration.py",
     "tests/training/test_ddp.py",
-    "tests/test_sharing.py",
+    "tests/test_integration.py",
     "tests/experiments/test_mqar.py",
-    "tests/training/test_faults.py",
-    "tests/test_plugin.py",
     "tests/cli/test_bad_inputs.py",
-    "tests/evals/test_lm_eval.py",
+    "tests/test_recipe_dry_runs.py",
+    "tests/training/test_faults.py",
+    "tests/test_sharing.py",
+    "tests/test_plugin.py",
+    "tests/cli/test_cli.py",
     "tests/experiments/test_bench.py",
-    "tests/test_packaging.py",
+    "tests/models/test_fast_paths.py",
+    "tests/evals/test_lm_eval.py",
+    "tests/training/test_quality.py",
+    "tests/experiments/test_sweep.py",
+    "tests/models/test_mamba.py",
 )
 
 
