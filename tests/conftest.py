@@ -85,9 +85,19 @@ def pytest_runtest_logreport(report):
         _SECONDS[kind][key] = _SECONDS[kind].get(key, 0.0) + report.duration
 
 
+def pytest_sessionstart(session):
+    import time
+
+    _SECONDS["started"] = time.time()
+
+
 def pytest_terminal_summary(terminalreporter):
     """A table of the slowest test files and each worker's busy time: what a change to
-    :data:`LONGEST_FIRST`, or a new slow test, has to go by."""
+    :data:`LONGEST_FIRST`, or a new slow test, has to go by. With ``RFKIT_TEST_TIMES=FILE`` the
+    run's wall time, outcome counts, every file's and worker's seconds and the provenance block go
+    to that JSON file too (``benchmarks/results/test_suite/`` holds the runs CONTRIBUTING.md cites)."""
+    import os
+
     files, workers = _SECONDS["file"], _SECONDS["worker"]
     if not files:
         return
@@ -96,6 +106,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
     busy = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in sorted(workers.items()))
     terminalreporter.write_line(f"busy time per worker: {busy}")
+    if os.environ.get("RFKIT_TEST_TIMES"):
+        import shlex
+        import sys
+
+        from rfkit.atomic import atomic_write_json
+        from rfkit.provenance import provenance
+
+        counts = {k: len(v) for k, v in terminalreporter.stats.items() if k in ("passed", "failed", "error", "skipped")}
+        atomic_write_json(os.environ["RFKIT_TEST_TIMES"], {
+            "kind": "test_suite",
+            "counts": counts,
+            "workers": {name: round(seconds, 1) for name, seconds in sorted(workers.items())},
+            "files": {path: round(seconds, 1) for path, seconds in sorted(files.items(), key=lambda kv: -kv[1])},
+            "provenance": provenance(started=_SECONDS["started"], command=shlex.join(["python", "-m", "pytest", *sys.argv[1:]])),
+        })  # fmt: skip
 
 
 @pytest.fixture
