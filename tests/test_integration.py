@@ -1,6 +1,6 @@
 """The real embedded default: SmolLM2-135M-Instruct and English Wikipedia summaries, on CPU.
 
-Kept small (128-token blocks, a few batches, two training steps) so that it runs in CI in
+Kept small (128-token blocks, a few batches, two training steps, 256-token long blocks) so that it runs in CI in
 about a minute; the full recipe is `rfkit fit --config recipes/smollm2_b05.yaml`.
 """
 
@@ -36,6 +36,7 @@ def smollm2_run(tmp_path_factory):
         "--model.transfer.samples", "4",
         "--model.transfer.long_seq_len", "256",  # the recipe's Shakespeare long blocks, fewer and shorter
         "--model.transfer.long_samples", "2",
+        "--data.long_seq_len", "256",  # the recipe's long training block (step 2), shorter
         "--trainer.val_check_interval", "2",
         "--trainer.limit_val_batches", "1",
         "--trainer.enable_progress_bar", "false",
@@ -68,6 +69,7 @@ def test_smollm2_wikipedia_fit_end_to_end(smollm2_run):
     transfer = summary["transfer"]
     assert 0 < transfer["mean_mse_before"] < 0.5 and 0 < transfer["mean_mse_before_long"] < 0.5
     assert transfer["long_samples"] == 2 and transfer["tokens_captured_long"] == 2 * 256
+    assert summary["train_tokens"] == 2 * 128 + 256  # a Wikipedia batch, then one long block of the plays
     for k in transfer["mse_before"]:
         after = transfer["mse_after"][k] + transfer["mse_after_long"][k]
         assert after <= transfer["mse_before"][k] + transfer["mse_before_long"][k]
