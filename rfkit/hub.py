@@ -96,7 +96,10 @@ def _materialise_embedded_model(target: Path) -> None:
         model.config._name_or_path = EMBEDDED_MODEL
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
-        _write_embedded_card(tmp)
+        try:
+            _write_embedded_card(tmp)
+        except Exception:  # noqa: BLE001 - a card is a nicety; model_license tries again on a save
+            log.debug("no card for the dequantised copy", exc_info=True)
 
 
 def _gguf_license() -> str | None:
