@@ -204,7 +204,8 @@ _GENERATED: dict = {}
 
 def _source_stamp() -> tuple:
     """Every rfkit source file's path, modification time and size (a few ms to take)."""
-    return tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(PACKAGE_ROOT.rglob("*.py")))
+    stats = ((str(p), p.stat()) for p in sorted(PACKAGE_ROOT.rglob("*.py")))
+    return tuple((path, st.st_mtime_ns, st.st_size) for path, st in stats)
 
 
 def generated_files() -> dict[str, str]:
