@@ -27,6 +27,9 @@ Steps (``--only`` / ``--skip`` take these names):
 - ``fit``: a short fit of the default recipe in bf16 on the device (benchmarks/gpu/fit_probe.py; in
   float32 on a CPU without native bf16, where emulated bf16 is several times slower),
   and ``fit_cpu``, the same fit on the machine's CPU, for seconds per step and peak memory side by side;
+- ``window_backends``: the window mixers' exact part on its two backends, the tiled PyTorch path
+  and one FlexAttention call (benchmarks/gpu/window_backends.py): one hybrid layer's training pass
+  and a 32k prefill, their agreement and speed side by side; it fails when they disagree;
 - ``table2_rest``: Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes, added to the same file.
 
 The steps run in that order, the claims the issue tracker asks about first; the whole check is
@@ -137,6 +140,10 @@ def plan(mode: str, py: str, carry: Path, work: Path, out: Path) -> list[Step]:
         Step("fit_cpu", "the same fit on this machine's CPU, for the per-step time and peak side by side",
              [[py, "-P", str(HERE / "fit_probe.py"), "--device", "cpu", "--steps", "3", "--output", str(work / "fit.json")]],
              {"gpu": 100}, outputs=["fit.json"], modes=("gpu",)),
+        Step("window_backends", "the window part on the tiles against FlexAttention: one hybrid layer's training pass and prefill, agreement and speed",
+             [[py, "-P", str(HERE / "window_backends.py"), "--device", device, "--output", str(work),
+               "--budget-s", "30" if cpu else "70", *tiny]],
+             {"gpu": 100, "cpu": 90}, outputs=["window_backends.json", "window_backends.md"]),
         Step("table2_rest", "Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes (added to table2.json)",
              [shapes + ["table2", "--shapes", "qwen2-7b,qwen2-0.5b", "--resume", "--device", device, "--output", str(work),
                         "--budget-s", "60" if cpu else "200", *tiny]],
@@ -196,7 +203,7 @@ def markdown(report: dict, work: Path) -> str:
     for s in report["steps"]:
         detail = ", ".join(f"{v} {k}" for k, v in s.get("pytest", {}).items()) or s.get("ended", "")
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {detail} |")
-    for name in ("speed.md", "table2.md"):
+    for name in ("speed.md", "table2.md", "window_backends.md"):
         if (work / name).exists():
             lines += ["", (work / name).read_text().strip()]
     return "\n".join(lines) + "\n"

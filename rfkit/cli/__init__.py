@@ -143,6 +143,9 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2)
     prog = "rfkit" if command.lightning else f"rfkit {name}"
     try:
+        from rfkit.ops.flex_window import resolve
+
+        resolve(None)  # RFKIT_WINDOW_BACKEND, read by every window mixer: checked before any command runs
         if command.plugins:
             load_plugins()
         code = command.load()(argv if command.lightning else argv[1:])

@@ -248,6 +248,10 @@ class HybridWindowAttention(WindowAttention):
     def _train_kernel_computes_me(self) -> bool:
         return type(self) is HybridWindowAttention  # the kernel's formula: window + this state
 
+    def _flex_computes_me(self) -> bool:
+        # e^{-tau m} / Z is e^{-lse} only at tau = 1: a sharper read needs the window's max itself
+        return self.sharpness == 1.0
+
     def _maps(self, dtype) -> torch.Tensor:
         return self.feature_map if self.feature_map.dtype == dtype else self.feature_map.to(dtype)
 

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from rfkit.models.mixer import ReplacementMixer
 from rfkit.models.precision import compute_dtype
-from rfkit.ops import cpu_kernels
+from rfkit.ops import cpu_kernels, flex_window
 
 # Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
 # 32 measured fastest on the 2-core CPU at window 56 (16: the same, 64: +12%, 128: +47%).
@@ -116,6 +116,10 @@ class WindowAttention(ReplacementMixer):
     #: the compiled CPU step (rfkit/ops/kernels/window_cpu.c) for float32 and bf16 decoding on CPU,
     #: and the compiled prefill; False keeps the PyTorch paths, their twins
     use_kernel: bool = True
+    #: the window part of the tiled prefill and of training forwards: "torch" (the tiles, every
+    #: device) or "flex" (one FlexAttention call, rfkit.ops.flex_window: CUDA, and CPU forwards
+    #: without a gradient); None: what RFKIT_WINDOW_BACKEND names, "torch" when unset
+    window_backend: str | None = None
     #: takes activations in the model's dtype: computes in float32 for half precision, keeps the
     #: window's K/V in the activations' dtype (rfkit.models.precision)
     handles_dtype = True
@@ -283,12 +287,13 @@ class WindowAttention(ReplacementMixer):
         kernel = (
             not self.training and window == self.window and not self._needs_grad(q, k, v, state) and self._kernel_ready(q, state)
         )
-        piece_len = L if kernel else PREFILL_CHUNK
+        flex = not kernel and self._flex_ready(q, k, v, state)
+        piece_len = L if kernel or flex else PREFILL_CHUNK  # FlexAttention's memory is linear in L too
         for start in range(0, L, piece_len):
             piece = slice(start, start + piece_len)
             last = start + piece_len >= L
             parts = (q[:, :, piece], k[:, :, piece], v[:, :, piece])
-            y, state = self._prefill_piece(*parts, state, seen + start, return_states or not last, window, kernel)
+            y, state = self._prefill_piece(*parts, state, seen + start, return_states or not last, window, kernel, flex)
             outs.append(y)
         y = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return y, state
@@ -300,13 +305,13 @@ class WindowAttention(ReplacementMixer):
             return False
         return any(t.requires_grad for t in (q, k, v, *state)) or any(p.requires_grad for p in self.parameters())
 
-    def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool, window: int, kernel: bool):
+    def _prefill_piece(self, q, k, v, state, seen: int, with_state: bool, window: int, kernel: bool, flex: bool = False):
         ctx = self._context(state, k, v, seen, window)
         if kernel:
             y, linear = cpu_kernels.window_prefill_cpu(self, q, ctx, state, seen)
             new = WindowAttention._next_state(self, state, ctx, seen, q.shape[2]) + linear if with_state else None
             return y, new
-        A, Z, m = self._window_sums(q, ctx, seen)
+        A, Z, m = self._flex_window_sums(q, ctx, seen) if flex else self._window_sums(q, ctx, seen)
         y = self._combine(A, Z, m, q, ctx, state, seen)
         new = self._next_state(state, ctx, seen, q.shape[2]) if with_state else None
         return self._output(y), new
@@ -387,6 +392,41 @@ class WindowAttention(ReplacementMixer):
         G = qg.shape[1]
         flat = lambda t: t.reshape(B, G, self.rep, nT * T, t.shape[-1])[:, :, :, :L]  # noqa: E731
         return flat(A), flat(Z), flat(m)
+
+    def _flex_ready(self, q, k, v, state) -> bool:
+        """FlexAttention serves the window part (:mod:`rfkit.ops.flex_window`): chosen
+        (``window_backend``), available, and either on CUDA or a forward without a gradient (the
+        CPU has no FlexAttention backward), for a block whose combination reads the window through
+        its log-sum-exp alone (:meth:`_flex_computes_me`)."""
+        field = flex_window.ENV if self.window_backend is None else "WindowAttention.window_backend"
+        if flex_window.resolve(self.window_backend, field) == "torch":
+            return False
+        if q.device.type != "cuda" and self._needs_grad(q, k, v, state):
+            return False
+        return self._flex_computes_me() and flex_window.available()
+
+    def _flex_computes_me(self) -> bool:
+        """Whether this block's combination of the window sums holds with ``A = out``, ``Z = 1``
+        and ``m`` the log-sum-exp (:mod:`rfkit.ops.flex_window`): true for ``A / Z``."""
+        return True
+
+    def _flex_window_sums(self, q, ctx, seen: int):
+        """:meth:`_window_sums` through one FlexAttention call: ``A`` the normalised output, ``Z``
+        ones and ``m`` the log-sum-exp, in the same shapes (B, G, rep, L, hd / 1)."""
+        s, w = self.sink, ctx["window"]
+        skip = self.window - w
+        B, _, L, hd = q.shape
+        keys = torch.cat([ctx["sink_k"], ctx["rec_k"][:, :, skip:]], 2)  # (B, Hkv, s + w + L, hd)
+        values = torch.cat([ctx["sink_v"], ctx["rec_v"][:, :, skip:]], 2)
+        if not self.grouped:  # every query head its own group: its KV head's keys, per query head
+            keys, values = self._per_query(keys), self._per_query(values)
+        out, lse = flex_window.window_attention(
+            q, keys, values, seen=seen, sink=s, window=w, scaling=self.scaling, gqa=self.grouped and self.rep > 1
+        )
+        G = q.shape[1] // self.rep
+        A = out.view(B, G, self.rep, L, hd)
+        m = lse.view(B, G, self.rep, L, 1).to(A.dtype)
+        return A, torch.ones_like(m), m
 
     def _combine(self, A, Z, m, q, ctx, state, seen: int):
         """The output (B, G, rep, L, hd) from the window sums (the hybrid adds its state here)."""

@@ -214,6 +214,14 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert listing(tmp_path) == before  # no output, no partial or temporary file
 
 
+def test_an_unknown_window_backend_is_refused_before_any_model_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
+    monkeypatch.setenv("RFKIT_WINDOW_BACKEND", "fast")
+    before = listing(tmp_path)
+    code, out, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs")], capsys)
+    assert_one_line(code, out, err, "RFKIT_WINDOW_BACKEND: 'fast' is not allowed; allowed: torch, flex")
+    assert listing(tmp_path) == before
+
+
 def test_hub_model_not_in_the_cache_while_offline(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

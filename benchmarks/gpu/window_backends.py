@@ -1,0 +1,187 @@
+"""The window mixers' exact part on its two backends, side by side in one process: the tiled PyTorch
+path (the default) against one FlexAttention call (``RFKIT_WINDOW_BACKEND=flex``,
+rfkit.ops.flex_window), at SmolLM2's converted-layer shape.
+
+    python benchmarks/gpu/window_backends.py --device cuda --output DIR [--runs 5] [--budget-s 110]
+    python benchmarks/gpu/window_backends.py --device cpu --tiny --output DIR    # the rehearsal
+
+Rows: a training forward and backward of one hybrid layer (9 query heads over 3 KV heads,
+head_dim 64, sink 4 + window 56, 16 features, decay horizon 2,048; bf16 activations, computed in
+float32 as the precision policy does) at the blocks the recipes train on (4 x 512 and 1 x 4,096;
+each shape compiles FlexAttention once), and an inference prefill of 32,768 tokens; for each backend the median seconds of
+``--runs`` after a warm-up (FlexAttention's first call, which compiles it, timed apart), the peak
+memory, and how far flex's output and gradients are from the tiles' (relative Frobenius error).
+The script fails (exit 1) when they disagree beyond the tolerance, so a wrong kernel shows as a
+failed step of the GPU check. ``--tiny`` (the CPU rehearsal): two small rows, inference only
+(FlexAttention has no backward on the CPU), FlexAttention eager.
+
+Writes ``window_backends.json`` and ``.md`` in ``--output`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rfkit.models.hybrid import HybridWindowAttention
+from rfkit.models.window import WindowAttention
+from rfkit.ops import flex_window
+
+KVQ = [g for g in range(3) for _ in range(3)]  # SmolLM2: 9 query heads over 3 KV heads
+HEAD_DIM = 64
+# float32 sums in two orders through bf16 inputs and outputs (the gradients pass through them too)
+TOLERANCE = 2e-2
+
+
+def layer(device, tiny: bool) -> HybridWindowAttention:
+    torch.manual_seed(0)
+    b = HybridWindowAttention(KVQ, 16 if tiny else HEAD_DIM, window=8 if tiny else 56, sink=4,
+                              feature_dim=16, decay_horizon=2048.0)  # fmt: skip
+    with torch.no_grad():  # the gate open, as after attention transfer
+        b.gate.fill_(1.0)
+        b.log_scale.normal_(0, 0.5)
+    return b.to(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+FLEX_CALLS = []
+
+
+def _counted(fn):
+    def wrapper(*args, **kwargs):
+        FLEX_CALLS.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def once(b, backend: str, batch: int, length: int, train: bool, device, seed: int = 1):
+    """One forward (and backward when ``train``) on ``backend``: seconds, output, gradients."""
+    WindowAttention.window_backend = backend
+    b.train(train)
+    b.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(seed)
+    hd = b.head_dim
+    make = lambda h: (torch.randn(batch, h, length, hd, generator=g) * 2).to(device, torch.bfloat16).requires_grad_(train)  # noqa: E731
+    q, k, v = make(len(KVQ)), make(3), make(3)
+    sync(device)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(train):
+        y = b.attend(q, k, v)
+        if train:
+            y.float().square().mean().backward()
+    sync(device)
+    seconds = time.perf_counter() - start
+    grads = {"q": q.grad, "k": k.grad, "v": v.grad, "feature_map": b.feature_map.grad} if train else {}
+    return seconds, y.detach(), grads
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
+    row = {"batch": batch, "length": length, "pass": "train (forward + backward)" if train else "prefill (forward)"}
+    outputs = {}
+    for backend in ("torch", "flex"):
+        FLEX_CALLS.clear()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        first, y, grads = once(b, backend, batch, length, train, device)
+        times = [once(b, backend, batch, length, train, device)[0] for _ in range(runs)]
+        row[f"{backend}_first_s"] = round(first, 4)
+        row[f"{backend}_s"] = round(statistics.median(times), 5)
+        row[f"{backend}_runs_s"] = [round(t, 5) for t in times]
+        if device.type == "cuda":
+            row[f"{backend}_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        outputs[backend] = (y, grads)
+        row[f"{backend}_flex_calls"] = len(FLEX_CALLS)  # 0 for the tiles, one per pass for flex: it served
+    (y_t, g_t), (y_f, g_f) = outputs["torch"], outputs["flex"]
+    errors = {"output": rel_err(y_f, y_t), **{f"grad_{n}": rel_err(g_f[n], g_t[n]) for n in g_t if g_t[n] is not None}}
+    row["rel_err"] = {n: float(f"{e:.3g}") for n, e in errors.items()}
+    row["agree"] = max(errors.values()) < TOLERANCE and row["torch_flex_calls"] == 0 and row["flex_flex_calls"] == runs + 1
+    row["flex_speedup"] = round(row["torch_s"] / row["flex_s"], 3)
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Window part, tiled PyTorch against FlexAttention: {result['device']}, bf16 activations (float32 compute), "
+        f"one hybrid layer ({result['layer']}); medians of {result['runs']} runs after a warm-up.",
+        "",
+        "| pass | batch x length | torch s | flex s | flex speed-up | flex first call s | max rel. error | agree |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} | | | | | |")
+            continue
+        worst = max(r["rel_err"].values())
+        lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {r['flex_s']:.4f} | "
+                     f"{r['flex_speedup']:.2f}x | {r['flex_first_s']:.2f} | {worst:.2e} | {'yes' if r['agree'] else 'NO'} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--output", required=True, help="folder for window_backends.json and .md")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=None, help="rows that would start past it are skipped")
+    parser.add_argument("--tiny", action="store_true", help="the CPU rehearsal: small rows, inference only")
+    args = parser.parse_args(argv)
+    from rfkit.atomic import atomic_write_json, atomic_write_text
+    from rfkit.provenance import command_line, stamp
+
+    device = torch.device(args.device)
+    if not flex_window.available():
+        print("window backends: this torch has no FlexAttention", file=sys.stderr)
+        return 1
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 is float32 on both sides
+    # the PyTorch tiles a GPU runs, not the CPU's compiled prefill (which never reaches either backend)
+    WindowAttention.use_kernel = False
+    flex_window.window_attention = _counted(flex_window.window_attention)
+    b = layer(device, args.tiny)
+    cases = [(1, 128, False), (2, 256, False)] if args.tiny else [
+        (4, 512, True), (1, 4096, True), (1, 32768, False)]  # fmt: skip
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    result = {"kind": "window_backends", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "layer": repr(b), "runs": args.runs, "tolerance": TOLERANCE, "rows": []}  # fmt: skip
+    stamp(result, started, command_line(["benchmarks/gpu/window_backends.py", *(argv if argv is not None else sys.argv[1:])]))
+    failed = False
+    for batch, length, train in cases:
+        ident = {"batch": batch, "length": length, "pass": "train (forward + backward)" if train else "prefill (forward)"}
+        if args.budget_s is not None and time.time() - started > args.budget_s:
+            row = {**ident, "skipped": "time budget"}
+        else:
+            try:
+                row = measure(b, batch, length, train and device.type == "cuda", args.runs, device)
+            except Exception as err:  # one row's failure (out of memory, a compile error) must not cost the rest
+                row = {**ident, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
+                failed = True
+            finally:
+                WindowAttention.window_backend = None
+        failed = failed or row.get("agree") is False
+        result["rows"].append(row)
+        result["provenance"]["wall_seconds"] = round(time.time() - started, 1)
+        atomic_write_json(out / "window_backends.json", result)
+        atomic_write_text(out / "window_backends.md", markdown(result))
+        print(markdown({**result, "rows": [row]}).splitlines()[-1], flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

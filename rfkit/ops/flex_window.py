@@ -1,0 +1,141 @@
+"""The window mixers' sink + window attention as one FlexAttention call, for GPUs.
+
+The tiled path of :mod:`rfkit.models.window` computes the exact part of every window mixer
+(:class:`~rfkit.models.window.WindowAttention`, the hybrid, the hybrid Mamba block) in tiles of
+``TILE`` queries: a few hundred small batched products per layer and block, sized for a 2-core
+CPU. On a GPU the same attention is one block-sparse kernel: FlexAttention
+(``torch.nn.attention.flex_attention``) with a mask that lets query ``i`` see the sink slots that
+are filled by then and the ``window`` recent keys ending at itself, skipping every key block
+outside that band. It returns the log-sum-exp of each query's scores beside the normalised
+output, which is all the mixers' shared normaliser needs:
+
+    the tiled path:  A = sum exp(s_t - m) v_t,  Z = sum exp(s_t - m),  m = max_t s_t
+    this path:       A = out = A / Z,           Z = 1,                 m = lse = m + log Z
+
+Every mixer combines the window through ``A / Z`` or, the hybrid, through
+``(A + g e^{-m} a) / (Z + g e^{-m} zl)``; both are unchanged by that substitution (divide the
+hybrid's numerator and denominator by ``Z``: ``e^{-m} / Z = e^{-lse}``). A hybrid read sharper
+than trained (``sharpness`` ``tau != 1``, ``e^{-tau m}``) needs ``m`` itself and keeps the tiles.
+
+Opt-in (``RFKIT_WINDOW_BACKEND=flex``, or ``WindowAttention.window_backend = "flex"``) until the
+GPU check (``benchmarks/gpu/``, docs/gpu.md) has shown it correct and faster on a GPU: the default
+stays the tiled path, which every device runs. On CUDA the call is compiled
+(``torch.compile(flex_attention)``, FlexAttention's only fast form); on the CPU it runs eagerly,
+forward only (PyTorch has no FlexAttention backward on the CPU), which is what the CPU tests
+compare with the tiles. The mask's numbers (``seen``, ``window``) are tensors the mask closes over,
+not Python constants, so a drawn training window (window dropout) does not recompile the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+
+from rfkit.errors import RFKitError
+
+#: the backends a window mixer's exact part can run on (``WindowAttention.window_backend``)
+BACKENDS = ("torch", "flex")
+ENV = "RFKIT_WINDOW_BACKEND"
+
+# block masks by (device, L, S, seen, sink, window): a training run reuses a handful of them
+_MASKS: OrderedDict = OrderedDict()
+_MAX_MASKS = 32
+_compiled = None
+
+
+class WindowBackendError(RFKitError):
+    """An unknown window backend (the environment variable or the class attribute)."""
+
+
+def resolve(backend: str | None, field: str = ENV) -> str:
+    """``backend`` checked, or when None the one ``RFKIT_WINDOW_BACKEND`` names (``torch`` when
+    unset); one line naming ``field`` for anything else. The ``rfkit`` console script asks it
+    before any command runs, so a misspelt variable stops a run before a model loads."""
+    if backend is None:
+        backend = os.environ.get(ENV, "").strip() or "torch"
+    if backend not in BACKENDS:
+        raise WindowBackendError(f"{field}: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+    return backend
+
+
+def available() -> bool:
+    """Whether this torch has FlexAttention (2.5 and later)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mask(device, L: int, S: int, seen: int, sink: int, window: int):
+    """The block mask of a chunk of ``L`` queries (ranks ``seen ..``) over ``S = sink + window + L``
+    keys: the sink slots, then the recent keys in rank order from rank ``seen - window``."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (str(device), L, S, seen, sink, window)
+    if key in _MASKS:
+        _MASKS.move_to_end(key)
+        return _MASKS[key]
+    seen_t = torch.tensor(seen, device=device)
+    window_t = torch.tensor(window, device=device)
+    # a recent key of index j has rank seen - window + j: below the sink (or none) it is not there
+    first_t = torch.tensor(window + sink - seen, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = kv_idx - sink
+        in_sink = kv_idx < sink
+        sink_ok = kv_idx <= q_idx + seen_t  # the slot is filled by the query's rank
+        recent_ok = (j > q_idx) & (j <= q_idx + window_t) & (j >= first_t)
+        return (in_sink & sink_ok) | (~in_sink & recent_ok)
+
+    block_mask = create_block_mask(mask_mod, None, None, L, S, device=device)
+    _MASKS[key] = block_mask
+    while len(_MASKS) > _MAX_MASKS:
+        _MASKS.popitem(last=False)
+    return block_mask
+
+
+def _flex():
+    """FlexAttention, compiled once per process on CUDA (its fast form), eager elsewhere."""
+    global _compiled
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return flex_attention, _compiled
+
+
+def window_attention(q, keys, values, *, seen: int, sink: int, window: int, scaling: float, gqa: bool):
+    """Sink + window attention of a chunk: ``(out, lse)``, ``out`` ``(B, Hq, L, hd)`` and the
+    natural log-sum-exp of each query's scaled scores ``lse`` ``(B, Hq, L)``.
+
+    ``q`` ``(B, Hq, L, hd)`` are the chunk's rotated queries, ranks ``seen .. seen + L - 1``;
+    ``keys`` / ``values`` ``(B, Hk, sink + window + L, hd)`` the ``sink`` sink slots, then the
+    recent keys in rank order starting at rank ``seen - window`` (the ring before the chunk, then
+    the chunk). Query of rank ``r`` sees the sink slots of rank ``<= r`` and the recent keys of
+    rank ``r - window < j <= r`` that are not sink tokens. ``gqa``: ``Hq`` is a multiple of
+    ``Hk``, query head ``h`` reading KV head ``h // (Hq / Hk)``; otherwise ``Hk == Hq``."""
+    L, S = q.shape[2], keys.shape[2]
+    if S != sink + window + L:
+        raise ValueError(f"window_attention: {S} keys for {L} queries; expected sink + window + L = {sink + window + L}")
+    block_mask = _mask(q.device, L, S, int(seen), int(sink), int(window))
+    eager, compiled = _flex()
+    fn = compiled if q.device.type == "cuda" else eager
+    with warnings.catch_warnings():  # eager FlexAttention (the CPU's) warns that it is not compiled
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        if _aux_request() is None:  # torch before 2.9
+            return fn(q, keys, values, block_mask=block_mask, scale=scaling, enable_gqa=gqa, return_lse=True)
+        out, aux = fn(q, keys, values, block_mask=block_mask, scale=scaling, enable_gqa=gqa, return_aux=_aux_request()(lse=True))
+    return out, aux.lse
+
+
+def _aux_request():
+    """FlexAttention's ``AuxRequest`` (torch 2.9 and later, where ``return_lse`` is deprecated), or None."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return None
+    return AuxRequest
