@@ -1,6 +1,6 @@
 """The window mixers' exact part on its two backends, side by side in one process: the tiled PyTorch
-path (the default) against one FlexAttention call (``RFKIT_WINDOW_BACKEND=flex``,
-rfkit.ops.flex_window), at SmolLM2's converted-layer shape.
+path (the default, in tiles of 32 queries and of 128) against one FlexAttention call
+(``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window), at SmolLM2's converted-layer shape.
 
     python benchmarks/gpu/window_backends.py --device cuda --output DIR [--runs 5] [--budget-s 110]
     python benchmarks/gpu/window_backends.py --device cpu --tiny --output DIR    # the rehearsal
@@ -8,9 +8,10 @@ rfkit.ops.flex_window), at SmolLM2's converted-layer shape.
 Rows: a training forward and backward of one hybrid layer (9 query heads over 3 KV heads,
 head_dim 64, sink 4 + window 56, 16 features, decay horizon 2,048; bf16 activations, computed in
 float32 as the precision policy does) at the blocks the recipes train on (4 x 512 and 1 x 4,096;
-each shape compiles FlexAttention once), and an inference prefill of 32,768 tokens; for each backend the median seconds of
+each shape compiles FlexAttention once), and an inference prefill of 32,768 tokens; for each the median seconds of
 ``--runs`` after a warm-up (FlexAttention's first call, which compiles it, timed apart), the peak
-memory, and how far flex's output and gradients are from the tiles' (relative Frobenius error).
+memory, and how far flex's and the larger tiles' output and gradients are from the default
+tiles' (relative Frobenius error): the tile size is the other GPU setting the check measures.
 The script fails (exit 1) when they disagree beyond the tolerance, so a wrong kernel shows as a
 failed step of the GPU check. ``--tiny`` (the CPU rehearsal): two small rows, inference only
 (FlexAttention has no backward on the CPU), FlexAttention eager.
@@ -28,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+import rfkit.models.hybrid as hybrid_module
+import rfkit.models.window as window_module
 from rfkit.models.hybrid import HybridWindowAttention
-from rfkit.models.window import WindowAttention
+from rfkit.models.window import TILE, WindowAttention
 from rfkit.ops import flex_window
 
 KVQ = [g for g in range(3) for _ in range(3)]  # SmolLM2: 9 query heads over 3 KV heads
@@ -64,9 +67,16 @@ def _counted(fn):
     return wrapper
 
 
-def once(b, backend: str, batch: int, length: int, train: bool, device, seed: int = 1):
-    """One forward (and backward when ``train``) on ``backend``: seconds, output, gradients."""
+#: what each column runs: the backend, and the tiles' query count (rfkit.models.window.TILE, 32,
+#: sized for a 2-core CPU; a GPU may want larger tiles); None keeps it
+VARIANTS = {"torch": ("torch", None), "torch_tile128": ("torch", 128), "flex": ("flex", None)}
+
+
+def once(b, variant: str, batch: int, length: int, train: bool, device, seed: int = 1):
+    """One forward (and backward when ``train``) of ``variant``: seconds, output, gradients."""
+    backend, tile = VARIANTS[variant]
     WindowAttention.window_backend = backend
+    window_module.TILE = hybrid_module.TILE = tile or TILE
     b.train(train)
     b.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(seed)
@@ -93,7 +103,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
     row = {"batch": batch, "length": length, "pass": "train (forward + backward)" if train else "prefill (forward)"}
     outputs = {}
-    for backend in ("torch", "flex"):
+    for backend in VARIANTS:
         FLEX_CALLS.clear()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -106,11 +116,15 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
             row[f"{backend}_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         outputs[backend] = (y, grads)
         row[f"{backend}_flex_calls"] = len(FLEX_CALLS)  # 0 for the tiles, one per pass for flex: it served
-    (y_t, g_t), (y_f, g_f) = outputs["torch"], outputs["flex"]
-    errors = {"output": rel_err(y_f, y_t), **{f"grad_{n}": rel_err(g_f[n], g_t[n]) for n in g_t if g_t[n] is not None}}
-    row["rel_err"] = {n: float(f"{e:.3g}") for n, e in errors.items()}
-    row["agree"] = max(errors.values()) < TOLERANCE and row["torch_flex_calls"] == 0 and row["flex_flex_calls"] == runs + 1
-    row["flex_speedup"] = round(row["torch_s"] / row["flex_s"], 3)
+    y_t, g_t = outputs["torch"]
+    agree = row["torch_flex_calls"] == row["torch_tile128_flex_calls"] == 0 and row["flex_flex_calls"] == runs + 1
+    for variant in ("flex", "torch_tile128"):
+        y_v, g_v = outputs[variant]
+        errors = {"output": rel_err(y_v, y_t), **{f"grad_{n}": rel_err(g_v[n], g_t[n]) for n in g_t if g_t[n] is not None}}
+        row[f"{variant}_rel_err"] = {n: float(f"{e:.3g}") for n, e in errors.items()}
+        agree = agree and max(errors.values()) < TOLERANCE
+        row[f"{variant}_speedup"] = round(row["torch_s"] / row[f"{variant}_s"], 3)
+    row["agree"] = agree
     return row
 
 
@@ -119,16 +133,17 @@ def markdown(result: dict) -> str:
         f"Window part, tiled PyTorch against FlexAttention: {result['device']}, bf16 activations (float32 compute), "
         f"one hybrid layer ({result['layer']}); medians of {result['runs']} runs after a warm-up.",
         "",
-        "| pass | batch x length | torch s | flex s | flex speed-up | flex first call s | max rel. error | agree |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| pass | batch x length | tiles of 32 s | tiles of 128 s | flex s | tiles of 128 speed-up | flex speed-up | flex first call s | flex max rel. error | agree |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} | | | | | |")
+            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} |" + " |" * 8)
             continue
-        worst = max(r["rel_err"].values())
-        lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {r['flex_s']:.4f} | "
-                     f"{r['flex_speedup']:.2f}x | {r['flex_first_s']:.2f} | {worst:.2e} | {'yes' if r['agree'] else 'NO'} |")  # fmt: skip
+        worst = max(r["flex_rel_err"].values())
+        lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {r['torch_tile128_s']:.4f} | "
+                     f"{r['flex_s']:.4f} | {r['torch_tile128_speedup']:.2f}x | {r['flex_speedup']:.2f}x | {r['flex_first_s']:.2f} | "
+                     f"{worst:.2e} | {'yes' if r['agree'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
             finally:
                 WindowAttention.window_backend = None
+                window_module.TILE = hybrid_module.TILE = TILE
         failed = failed or row.get("agree") is False
         result["rows"].append(row)
         result["provenance"]["wall_seconds"] = round(time.time() - started, 1)
