@@ -413,16 +413,15 @@ class WindowAttention(ReplacementMixer):
     def _flex_window_sums(self, q, ctx, seen: int):
         """:meth:`_window_sums` through one FlexAttention call: ``A`` the normalised output, ``Z``
         ones and ``m`` the log-sum-exp, in the same shapes (B, G, rep, L, hd / 1)."""
-        s, w = self.sink, ctx["window"]
-        skip = self.window - w
         B, _, L, hd = q.shape
-        keys = torch.cat([ctx["sink_k"], ctx["rec_k"][:, :, skip:]], 2)  # (B, Hkv, s + w + L, hd)
-        values = torch.cat([ctx["sink_v"], ctx["rec_v"][:, :, skip:]], 2)
+        keys = torch.cat([ctx["sink_k"], ctx["rec_k"]], 2)  # (B, Hkv, s + w + L, hd), w the ring's slots
+        values = torch.cat([ctx["sink_v"], ctx["rec_v"]], 2)
         if not self.grouped:  # every query head its own group: its KV head's keys, per query head
             keys, values = self._per_query(keys), self._per_query(values)
         out, lse = flex_window.window_attention(
-            q, keys, values, seen=seen, sink=s, window=w, scaling=self.scaling, gqa=self.grouped and self.rep > 1
-        )
+            q, keys, values, seen=seen, sink=self.sink, ring=self.window, window=ctx["window"], scaling=self.scaling,
+            gqa=self.grouped and self.rep > 1,
+        )  # fmt: skip
         G = q.shape[1] // self.rep
         A = out.view(B, G, self.rep, L, hd)
         m = lse.view(B, G, self.rep, L, 1).to(A.dtype)

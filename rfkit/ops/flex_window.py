@@ -22,8 +22,9 @@ GPU check (``benchmarks/gpu/``, docs/gpu.md) has shown it correct and faster on 
 stays the tiled path, which every device runs. On CUDA the call is compiled
 (``torch.compile(flex_attention)``, FlexAttention's only fast form); on the CPU it runs eagerly,
 forward only (PyTorch has no FlexAttention backward on the CPU), which is what the CPU tests
-compare with the tiles. The mask's numbers (``seen``, ``window``) are tensors the mask closes over,
-not Python constants, so a drawn training window (window dropout) does not recompile the kernel.
+compare with the tiles. The mask's numbers (``seen``, the drawn ``window``) are tensors the mask
+closes over, not Python constants, and a drawn window shorter than the ring is a mask over the
+same keys, so window dropout neither changes the kernel's shapes nor recompiles it.
 """
 
 from __future__ import annotations
@@ -68,29 +69,32 @@ def available() -> bool:
     return True
 
 
-def _mask(device, L: int, S: int, seen: int, sink: int, window: int):
-    """The block mask of a chunk of ``L`` queries (ranks ``seen ..``) over ``S = sink + window + L``
-    keys: the sink slots, then the recent keys in rank order from rank ``seen - window``."""
+def _mask(device, L: int, seen: int, sink: int, ring: int, window: int):
+    """The block mask of a chunk of ``L`` queries (ranks ``seen ..``) over ``sink + ring + L``
+    keys: the sink slots, then the recent keys in rank order from rank ``seen - ring``, of which a
+    query sees the last ``window`` up to itself."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (str(device), L, S, seen, sink, window)
+    key = (str(device), L, seen, sink, ring, window)
     if key in _MASKS:
         _MASKS.move_to_end(key)
         return _MASKS[key]
     seen_t = torch.tensor(seen, device=device)
-    window_t = torch.tensor(window, device=device)
-    # a recent key of index j has rank seen - window + j: below the sink (or none) it is not there
-    first_t = torch.tensor(window + sink - seen, device=device)
+    # query i sees recent index j (rank seen - ring + j) for ring - window < j - i <= ring, and
+    # j >= ring + sink - seen: ranks below the sink (or none yet) are not recent keys
+    near_t = torch.tensor(ring - window, device=device)
+    far_t = torch.tensor(ring, device=device)
+    first_t = torch.tensor(ring + sink - seen, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         j = kv_idx - sink
         in_sink = kv_idx < sink
         sink_ok = kv_idx <= q_idx + seen_t  # the slot is filled by the query's rank
-        recent_ok = (j > q_idx) & (j <= q_idx + window_t) & (j >= first_t)
+        recent_ok = (j - q_idx > near_t) & (j - q_idx <= far_t) & (j >= first_t)
         return (in_sink & sink_ok) | (~in_sink & recent_ok)
 
-    block_mask = create_block_mask(mask_mod, None, None, L, S, device=device)
+    block_mask = create_block_mask(mask_mod, None, None, L, sink + ring + L, device=device)
     _MASKS[key] = block_mask
     while len(_MASKS) > _MAX_MASKS:
         _MASKS.popitem(last=False)
@@ -104,24 +108,27 @@ def _flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
+        _compiled = torch.compile(flex_attention)  # a second length recompiles once, for any length
     return flex_attention, _compiled
 
 
-def window_attention(q, keys, values, *, seen: int, sink: int, window: int, scaling: float, gqa: bool):
+def window_attention(q, keys, values, *, seen: int, sink: int, ring: int, window: int, scaling: float, gqa: bool):
     """Sink + window attention of a chunk: ``(out, lse)``, ``out`` ``(B, Hq, L, hd)`` and the
     natural log-sum-exp of each query's scaled scores ``lse`` ``(B, Hq, L)``.
 
     ``q`` ``(B, Hq, L, hd)`` are the chunk's rotated queries, ranks ``seen .. seen + L - 1``;
-    ``keys`` / ``values`` ``(B, Hk, sink + window + L, hd)`` the ``sink`` sink slots, then the
-    recent keys in rank order starting at rank ``seen - window`` (the ring before the chunk, then
+    ``keys`` / ``values`` ``(B, Hk, sink + ring + L, hd)`` the ``sink`` sink slots, then the
+    recent keys in rank order starting at rank ``seen - ring`` (the ring before the chunk, then
     the chunk). Query of rank ``r`` sees the sink slots of rank ``<= r`` and the recent keys of
-    rank ``r - window < j <= r`` that are not sink tokens. ``gqa``: ``Hq`` is a multiple of
-    ``Hk``, query head ``h`` reading KV head ``h // (Hq / Hk)``; otherwise ``Hk == Hq``."""
+    rank ``r - window < j <= r`` that are not sink tokens (``window <= ring``: a training forward's
+    drawn window is a mask, not a shorter key tensor, so the compiled kernel sees one shape
+    whatever the draw). ``gqa``: ``Hq`` is a multiple of ``Hk``, query head ``h`` reading KV head
+    ``h // (Hq / Hk)``; otherwise ``Hk == Hq``."""
     L, S = q.shape[2], keys.shape[2]
-    if S != sink + window + L:
-        raise ValueError(f"window_attention: {S} keys for {L} queries; expected sink + window + L = {sink + window + L}")
-    block_mask = _mask(q.device, L, S, int(seen), int(sink), int(window))
+    if S != sink + ring + L or not 1 <= window <= ring:
+        raise ValueError(f"window_attention: {S} keys for {L} queries, window {window}; expected sink + ring + L = "
+                         f"{sink + ring + L} keys and 1 <= window <= ring = {ring}")  # fmt: skip
+    block_mask = _mask(q.device, L, int(seen), int(sink), int(ring), int(window))
     eager, compiled = _flex()
     fn = compiled if q.device.type == "cuda" else eager
     with warnings.catch_warnings():  # eager FlexAttention (the CPU's) warns that it is not compiled

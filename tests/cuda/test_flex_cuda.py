@@ -85,3 +85,27 @@ def test_flex_trains_as_the_tiles(kind, dtype, device, monkeypatch):
     if device.type == "cpu":  # what the CPU does instead: a forward that needs a gradient takes the tiles
         _, grads, calls = run(b, "flex", dtype, device, monkeypatch, grad=True)
         assert calls == 0 and grads["q"] is not None
+
+
+def test_flex_trains_as_the_tiles_at_drawn_windows(device, monkeypatch):
+    """Window dropout on (every forward draws a window): three training passes draw the same
+    windows on both backends (the block's own generator, reseeded) and agree pass by pass; the
+    drawn window is a mask over one key length, so the compiled kernel keeps its shapes."""
+    b = mixer("hybrid", device)
+    b.window_dropout = 1.0
+    monkeypatch.setattr(WindowAttention, "use_kernel", False)
+    grad = device.type == "cuda"
+    passes = {}
+    for backend in ("flex", "torch"):
+        b._generator = torch.Generator().manual_seed(5)
+        passes[backend] = [run(b, backend, torch.float32, device, monkeypatch, grad) for _ in range(3)]
+    windows = []
+    b._generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        windows.append(b.train_window())
+    assert len(set(windows)) > 1 and max(windows) < b.window  # the passes ran at shorter, different windows
+    for (y_f, g_f, calls), (y_t, g_t, none) in zip(passes["flex"], passes["torch"]):
+        assert calls == 1 and none == 0
+        assert rel_err(y_f.double(), y_t.double()) < TOL[torch.float32]
+        for name in g_t:
+            assert rel_err(g_f[name].double(), g_t[name].double()) < TOL[torch.float32], name

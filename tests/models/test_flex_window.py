@@ -89,7 +89,13 @@ def test_flex_matches_the_tiles_at_a_shorter_window(kind, monkeypatch):
     keys are outside it, and for the hybrid folded into the state first."""
     b = _mixer(kind, 2, [0, 0, 1, 1])
     chunks, _ = _chunks(45, [12], [0, 0, 1, 1])
+    shapes = []
+    real = flex_window.window_attention
+    monkeypatch.setattr(flex_window, "window_attention", lambda q, k, *a, **kw: shapes.append(k.shape[2]) or real(q, k, *a, **kw))
     y_flex, s_flex = _run(b, "flex", chunks, monkeypatch, window=3)
+    # the drawn window is a mask over the whole ring: the keys' length (the compiled kernel's
+    # shape) is sink + ring + chunk whatever the draw
+    assert shapes == [2 + W + 12, 2 + W + 33]
     y_torch, s_torch = _run(b, "torch", chunks, monkeypatch, window=3)
     torch.testing.assert_close(y_flex, y_torch, rtol=1e-10, atol=1e-10)
     for a, c in zip(s_flex, s_torch):
