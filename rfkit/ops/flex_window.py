@@ -2,8 +2,10 @@
 
 The tiled path of :mod:`rfkit.models.window` computes the exact part of every window mixer
 (:class:`~rfkit.models.window.WindowAttention`, the hybrid, the hybrid Mamba block) in tiles of
-``TILE`` queries: a few hundred small batched products per layer and block, sized for a 2-core
-CPU. On a GPU the same attention is one block-sparse kernel: FlexAttention
+``TILE`` queries, each against the ``TILE + window - 1`` keys before it: a handful of batched
+products and masks over ``L x (TILE + window - 1)`` scores per layer, the tile sized for a 2-core
+CPU, every score, exponent and probability written to memory. On a GPU the same attention is one
+fused block-sparse kernel: FlexAttention
 (``torch.nn.attention.flex_attention``) with a mask that lets query ``i`` see the sink slots that
 are filled by then and the ``window`` recent keys ending at itself, skipping every key block
 outside that band. It returns the log-sum-exp of each query's scores beside the normalised
