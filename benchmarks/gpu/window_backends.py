@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 is float32 on both sides
     # the PyTorch tiles a GPU runs, not the CPU's compiled prefill (which never reaches either backend)
     WindowAttention.use_kernel = False
+    flex_window.CPU_EAGER = True  # the rehearsal: FlexAttention eager on the CPU (off for users)
     flex_window.window_attention = _counted(flex_window.window_attention)
     b = layer(device, args.tiny)
     cases = [(1, 128, False), (2, 256, False)] if args.tiny else [

@@ -117,8 +117,8 @@ class WindowAttention(ReplacementMixer):
     #: and the compiled prefill; False keeps the PyTorch paths, their twins
     use_kernel: bool = True
     #: the window part of the tiled prefill and of training forwards: "torch" (the tiles, every
-    #: device) or "flex" (one FlexAttention call, rfkit.ops.flex_window: CUDA, and CPU forwards
-    #: without a gradient); None: what RFKIT_WINDOW_BACKEND names, "torch" when unset
+    #: device) or "flex" (one FlexAttention call, rfkit.ops.flex_window: CUDA devices; the tiles
+    #: elsewhere); None: what RFKIT_WINDOW_BACKEND names, "torch" when unset
     window_backend: str | None = None
     #: takes activations in the model's dtype: computes in float32 for half precision, keeps the
     #: window's K/V in the activations' dtype (rfkit.models.precision)
@@ -395,11 +395,11 @@ class WindowAttention(ReplacementMixer):
 
     def _flex_ready(self, q, k, v, state) -> bool:
         """FlexAttention serves the window part (:mod:`rfkit.ops.flex_window`): chosen
-        (``window_backend``), available, and either on CUDA or a forward without a gradient (the
-        CPU has no FlexAttention backward), for a block whose combination reads the window through
-        its log-sum-exp alone (:meth:`_flex_computes_me`)."""
+        (``window_backend``), available, on CUDA (or on the CPU with ``flex_window.CPU_EAGER``, for
+        a forward without a gradient: the CPU has no FlexAttention backward), for a block whose
+        combination reads the window through its log-sum-exp alone (:meth:`_flex_computes_me`)."""
         field = flex_window.ENV if self.window_backend is None else "WindowAttention.window_backend"
-        if flex_window.resolve(self.window_backend, field) == "torch":
+        if flex_window.resolve(self.window_backend, field) == "torch" or not flex_window.serves(q.device):
             return False
         if q.device.type != "cuda" and self._needs_grad(q, k, v, state):
             return False

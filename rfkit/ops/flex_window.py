@@ -22,20 +22,30 @@ than trained (``sharpness`` ``tau != 1``, ``e^{-tau m}``) needs ``m`` itself and
 Opt-in (``RFKIT_WINDOW_BACKEND=flex``, or ``WindowAttention.window_backend = "flex"``) until the
 GPU check (``benchmarks/gpu/``, docs/gpu.md) has shown it correct and faster on a GPU: the default
 stays the tiled path, which every device runs. On CUDA the call is compiled
-(``torch.compile(flex_attention)``, FlexAttention's only fast form); on the CPU it runs eagerly,
-forward only (PyTorch has no FlexAttention backward on the CPU), which is what the CPU tests
-compare with the tiles. The mask's numbers (``seen``, the drawn ``window``) are tensors the mask
+(``torch.compile(flex_attention)``, FlexAttention's only fast form). Elsewhere the tiles keep
+running (:func:`serves`): on a CPU FlexAttention has no backward and, uncompiled, holds every
+score of the chunk; the CPU tests turn on :data:`CPU_EAGER` to compare its forward with the tiles. The mask's numbers (``seen``, the drawn ``window``) are tensors the mask
 closes over, not Python constants, and a drawn window shorter than the ring is a mask over the
 same keys, so window dropout neither changes the kernel's shapes nor recompiles it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections import OrderedDict
 
 from rfkit.errors import RFKitError
+
+log = logging.getLogger(__name__)
+
+#: FlexAttention serves CPU forwards too (eagerly, forward only). Off by default: without its
+#: compiled kernel FlexAttention materialises every score of a chunk (``L x (sink + window + L)``),
+#: which the tiles never do, so on a CPU the tiles run and :func:`serves` says so once. The CPU
+#: tests and the GPU check's rehearsal turn it on, to hold this path to the tiles where no GPU is.
+CPU_EAGER = False
+_told: set = set()
 
 #: the backends a window mixer's exact part can run on (``WindowAttention.window_backend``)
 BACKENDS = ("torch", "flex")
@@ -69,6 +79,18 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def serves(device) -> bool:
+    """Whether FlexAttention serves tensors on ``device``: a CUDA device, or the CPU when
+    :data:`CPU_EAGER` is on. The first refusal on a device type is one warning line."""
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda" or (kind == "cpu" and CPU_EAGER):
+        return True
+    if kind not in _told:
+        _told.add(kind)
+        log.warning("%s=flex: FlexAttention serves CUDA devices; the window mixers keep their tiles on %s", ENV, kind)
+    return False
 
 
 def _mask(device, L: int, seen: int, sink: int, ring: int, window: int):

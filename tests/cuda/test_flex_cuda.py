@@ -3,8 +3,9 @@ against the tiled PyTorch path on the device: a training forward and its backwar
 gradient: queries, keys, values and the mixer's weights), in float32 and for bf16 activations,
 for every window mixer, over blocks that cross FlexAttention's 128-token key blocks. On the GPU
 FlexAttention is compiled and serves the gradient too. The CPU twin asserts what the CPU does
-instead: FlexAttention serves the forward without a gradient (the same output as the tiles) and
-the tiles serve every forward that needs one (PyTorch has no FlexAttention backward there)."""
+instead, with FlexAttention allowed there eagerly (``CPU_EAGER``, off for users): it serves the
+forward without a gradient (the same output as the tiles) and the tiles serve every forward that
+needs one (PyTorch has no FlexAttention backward there)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def inputs(dtype, device, grad: bool):
 def run(b, backend: str, dtype, device, monkeypatch, grad: bool):
     """The block's output and, with ``grad``, every gradient; and how many FlexAttention calls served."""
     monkeypatch.setattr(WindowAttention, "window_backend", backend)
+    monkeypatch.setattr(flex_window, "CPU_EAGER", True)  # the twin: FlexAttention eager on the CPU (off for users)
     calls = []
     real = flex_window.window_attention
     monkeypatch.setattr(flex_window, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))

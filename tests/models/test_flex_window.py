@@ -22,6 +22,12 @@ from rfkit.ops import flex_window
 
 pytestmark = pytest.mark.skipif(not flex_window.available(), reason="this torch has no FlexAttention")
 
+@pytest.fixture(autouse=True)
+def flex_on_the_cpu(monkeypatch):
+    """FlexAttention eager on the CPU (``CPU_EAGER``, off for users): the path these tests hold to the tiles."""
+    monkeypatch.setattr(flex_window, "CPU_EAGER", True)
+
+
 PER_HEAD = [1, 0, 0, 1]  # query heads whose KV heads are not in grouped order: every head its own group
 
 
@@ -113,6 +119,26 @@ def test_flex_does_not_serve_where_the_log_sum_exp_is_not_enough(monkeypatch):
     plain = block("window", 2)
     assert plain._flex_ready(q, k, v, state(plain))
     assert not plain._flex_ready(q.requires_grad_(), k, v, state(plain))  # the CPU: no backward
+
+
+def test_on_a_cpu_the_tiles_run_and_say_so_once_unless_flex_is_allowed_there(monkeypatch, caplog):
+    """For users a CPU keeps the tiles (uncompiled FlexAttention would hold every score of the
+    chunk), with one warning line per process, and gives the tiles' output."""
+    monkeypatch.setattr(flex_window, "CPU_EAGER", False)
+    monkeypatch.setattr(flex_window, "_told", set())
+    b = _mixer("hybrid_open", 2, [0, 0, 1, 1])
+    chunks, _ = _chunks(30, [], [0, 0, 1, 1])
+    calls = []
+    real = flex_window.window_attention
+    monkeypatch.setattr(flex_window, "window_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with caplog.at_level("WARNING", logger="rfkit.ops.flex_window"):
+        y_cpu, _ = _run(b, "flex", chunks, monkeypatch)
+        _run(b, "flex", chunks, monkeypatch)
+    assert not calls
+    assert [r.getMessage() for r in caplog.records] == [
+        "RFKIT_WINDOW_BACKEND=flex: FlexAttention serves CUDA devices; the window mixers keep their tiles on cpu"
+    ]
+    torch.testing.assert_close(y_cpu, _run(b, "torch", chunks, monkeypatch)[0], rtol=0, atol=0)
 
 
 def test_an_unknown_backend_is_one_line_naming_the_field(monkeypatch):
