@@ -243,12 +243,14 @@ class WindowAttention(ReplacementMixer):
             if pads is None:
                 return self._general(q, k, v, state, mask, window, return_states)
             return self._prefill_rows(q, k, v, state, pads, return_states, window)
-        if not state:
-            state = self.empty_state(q.shape[0], q.device, k.dtype)
-        seen = state[2]
-        if q.shape[0] > 1 and not bool((seen == seen[0]).all()):
-            return self._prefill_rows(q, k, v, state, [0] * q.shape[0], return_states, window)
-        y, new = self._prefill(q, k, v, state, int(seen[0]), return_states, window)
+        if not state:  # a fresh state (every training forward): no row has seen a token, nothing to read
+            state, seen = self.empty_state(q.shape[0], q.device, k.dtype), 0
+        else:  # read on the host (a device sync): the rows' counts decide the path
+            counts = state[2]
+            if q.shape[0] > 1 and not bool((counts == counts[0]).all()):
+                return self._prefill_rows(q, k, v, state, [0] * q.shape[0], return_states, window)
+            seen = int(counts[0])
+        y, new = self._prefill(q, k, v, state, seen, return_states, window)
         return (y, new) if return_states else y
 
     def train_window(self) -> int:

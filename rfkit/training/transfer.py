@@ -375,7 +375,7 @@ def train_blocks(
                 long_rows = torch.randint(0, n_long, (min(config.long_batch_size, n_long),), generator=long_generator)
                 batches.append((long_data, long_power, long_rows, slice(None)))
             optimizer.zero_grad(set_to_none=True)
-            total = 0.0
+            parts = []
             for i, mixer in mixers.items():
                 device = devices[i]
                 for pairs, norm, picked, span in batches:  # one backward each: one graph held at a time
@@ -383,9 +383,12 @@ def train_blocks(
                     target = _rows(pairs[i][1], picked, span, device).float()
                     loss = mapped_mse(mixer(values).float() - target, gram[i], proj[i]) / norm[i]
                     (loss / len(batches)).backward()
-                    total += float(loss.detach()) / len(batches)
+                    parts.append(loss.detach())  # read after the step: no device sync between layers
             optimizer.step()
             scheduler.step()
+            total = 0.0
+            for part in parts:  # the same sum, in the same order, as when each was read at once
+                total += float(part) / len(batches)
             losses.append(total / len(mixers))
             bar.set_postfix(rel_mse=f"{losses[-1]:.4f}")
             if deadline is not None and time.time() > deadline:

@@ -437,3 +437,33 @@ def test_uneven_kept_groups_attend_per_run_of_equal_groups_without_copying_the_c
         step = model(ids[:, 20:21], past_key_values=out.past_key_values, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], original(ids[:, :21]).logits[:, -1], rtol=1e-4, atol=1e-4)
     assert not [shape for shape in copies if len(shape) == 4 and shape[2] >= 20]  # no cache-sized gather
+
+
+class _Unread(torch.Tensor):
+    """A tensor whose value must not reach the host: reading it is what a device sync would be."""
+
+    def _read(self, *args):
+        raise AssertionError("the row counts were read on the host")
+
+    __bool__ = __int__ = __index__ = __float__ = item = tolist = _read
+
+
+@pytest.mark.parametrize("kind", ["window", "hybrid_open"])
+def test_a_forward_from_a_fresh_state_never_reads_the_row_counts(kind, monkeypatch):
+    """Every training forward (and a first prefill) starts from a fresh state, whose rows have seen
+    nothing: the tiled path takes that as known instead of reading the counts back from the device
+    (a sync per layer per forward on a GPU). A state that has seen tokens is read, as it must be."""
+    b = block(kind, sink=2)
+    empty = type(b).empty_state
+
+    def unread_counts(self, *args):
+        state = empty(self, *args)
+        return (*state[:2], state[2].as_subclass(_Unread), *state[3:])
+
+    monkeypatch.setattr(type(b), "empty_state", unread_counts)
+    monkeypatch.setattr(WindowAttention, "use_kernel", False)  # the tiles a GPU runs
+    q, k, v = qkv(2, 40)
+    y, state = b.attend(q, k, v, return_states=True)
+    torch.testing.assert_close(y, masked_reference(b, q, k, v), rtol=1e-9, atol=1e-9)
+    with pytest.raises(AssertionError, match="read on the host"):
+        b.attend(q, k, v, *state)  # a state that has seen tokens: its counts decide the path
