@@ -30,7 +30,10 @@ Steps (``--only`` / ``--skip`` take these names):
 - ``window_backends``: the window mixers' exact part on its two backends, the tiled PyTorch path
   and one FlexAttention call (benchmarks/gpu/window_backends.py): one hybrid layer's training pass
   and a 32k prefill, their agreement and speed side by side; it fails when they disagree;
-- ``table2_rest``: Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes, added to the same file.
+- ``table2_rest``: Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes, added to the same file;
+- ``fit_flex``: the ``fit`` step again with the window part through FlexAttention, its row beside
+  the tiles' in ``fit.json`` (last: it answers the opt-in backend's question end to end, and no
+  other step waits for it; on the CPU FlexAttention does not serve and the row says so).
 
 The steps run in that order, the claims the issue tracker asks about first; the whole check is
 sized for 9 minutes on an H100 (``--budget``, default 540 s: a step that would start past it is
@@ -148,6 +151,10 @@ def plan(mode: str, py: str, carry: Path, work: Path, out: Path) -> list[Step]:
              [shapes + ["table2", "--shapes", "qwen2-7b,qwen2-0.5b", "--resume", "--device", device, "--output", str(work),
                         "--budget-s", "60" if cpu else "200", *tiny]],
              {"gpu": 220, "cpu": 120}, outputs=["table2.json"]),
+        Step("fit_flex", f"the fit step again with the window part through FlexAttention (RFKIT_WINDOW_BACKEND=flex) on {device}",
+             [[py, "-P", str(HERE / "fit_probe.py"), "--device", device, *fit_steps, "--window-backend", "flex",
+               "--output", str(work / "fit.json"), *tiny]],
+             {"gpu": 100, "cpu": 300}, outputs=["fit.json"]),
     ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """A short fit of the default recipe on one device: seconds per step by phase and the peak memory.
 
-    python benchmarks/gpu/fit_probe.py --device cuda --output fit.json [--steps 8] [--tiny]
+    python benchmarks/gpu/fit_probe.py --device cuda --output fit.json [--steps 8] [--tiny] [--window-backend flex]
 
 Runs ``rfkit fit --config recipes/smollm2_b05.yaml`` in this process with the GPU recipes'
 precision (``trainer.precision: bf16-true`` over a ``model.dtype: bfloat16`` base: the new weights
@@ -13,6 +13,9 @@ the command line is otherwise the one the GPU runs.
 
 The result is added to ``--output`` under the device's name (read, updated, written then renamed),
 so the GPU check's CUDA run and its CPU run of the same fit end up side by side in one file.
+``--window-backend flex`` runs the window mixers' exact part through FlexAttention
+(``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window; it serves CUDA only) and adds its row as
+``<device>_flex``, with how many FlexAttention calls served the fit, beside the default's.
 """
 
 from __future__ import annotations
@@ -66,11 +69,21 @@ def fit_args(device: str, steps: int, root: Path, tiny: bool) -> list[str]:
     return args
 
 
-def run_fit(device: str, steps: int, tiny: bool) -> dict:
+def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict:
     import torch
 
     from rfkit.cli import main
+    from rfkit.models.window import WindowAttention
+    from rfkit.ops import flex_window
 
+    calls = []
+    real = flex_window.window_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    WindowAttention.window_backend, flex_window.window_attention = backend, counted
     with tempfile.TemporaryDirectory(prefix="rfkit-fit-probe-") as root:
         args = fit_args(device, steps, Path(root), tiny)
         if device == "cuda":
@@ -81,6 +94,8 @@ def run_fit(device: str, steps: int, tiny: bool) -> dict:
             code = 0
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else 1
+        finally:
+            WindowAttention.window_backend, flex_window.window_attention = None, real
         wall = time.perf_counter() - started
         if code:
             raise SystemExit(f"fit_probe: rfkit fit exited with {code}")
@@ -97,6 +112,8 @@ def run_fit(device: str, steps: int, tiny: bool) -> dict:
         "seconds_per_transfer_step": round(phases.get("transfer", 0.0) / transfer_steps, 3),
         "ppl_ratio": summary.get("ppl_ratio"),
         "precision": "{}, model.dtype {} ({})".format(*precision(device)),
+        "window_backend": backend,
+        "flex_calls": len(calls),  # FlexAttention calls that served the fit (0 where it does not serve: the CPU)
         "command": "rfkit " + " ".join(fit_args(device, steps, Path("ROOT"), tiny)).replace(str(REPO) + "/", ""),
     }
     if device == "cuda":
@@ -116,6 +133,13 @@ def update(path: Path, key: str, row: dict) -> dict:
         cuda, cpu = data["cuda"], data["cpu"]
         data["cuda_speedup_train_step"] = round(cpu["seconds_per_train_step"] / max(cuda["seconds_per_train_step"], 1e-9), 2)
         data["cuda_speedup_transfer_step"] = round(cpu["seconds_per_transfer_step"] / max(cuda["seconds_per_transfer_step"], 1e-9), 2)
+    for device in ("cuda", "cpu"):  # FlexAttention's fit beside the tiles' on the same device
+        tiles, flex = data.get(device), data.get(f"{device}_flex")
+        if tiles and flex and flex.get("seconds_per_train_step"):
+            data[f"{device}_flex_speedup_train_step"] = round(tiles["seconds_per_train_step"] / flex["seconds_per_train_step"], 2)
+            data[f"{device}_flex_speedup_transfer_step"] = round(
+                tiles["seconds_per_transfer_step"] / max(flex["seconds_per_transfer_step"], 1e-9), 2
+            )
     from rfkit.atomic import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
@@ -128,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="JSON file; this device's row is added to it")
     parser.add_argument("--steps", type=int, default=8, help="training steps, and as many transfer steps")
     parser.add_argument("--tiny", action="store_true", help="short blocks and few samples (the CPU rehearsal)")
+    parser.add_argument("--window-backend", choices=("torch", "flex"), default="torch",
+                        help="the window mixers' exact part: the tiles (default) or FlexAttention (row <device>_flex)")  # fmt: skip
     args = parser.parse_args(argv)
-    row = run_fit(args.device, args.steps, args.tiny)
-    update(Path(args.output), args.device, row)
+    row = run_fit(args.device, args.steps, args.tiny, args.window_backend)
+    key = args.device if args.window_backend == "torch" else f"{args.device}_flex"
+    update(Path(args.output), key, row)
     print(
-        f"fit_probe: {row['device']}: {row['seconds_per_train_step']} s per training step, "
+        f"fit_probe: {key}: {row['device']}: {row['seconds_per_train_step']} s per training step, "
         f"{row['seconds_per_transfer_step']} s per transfer step, peak {row['peak_bytes'] / 2**30:.2f} GiB, "
         f"whole fit {row['wall_seconds']} s"
     )
