@@ -15,7 +15,8 @@ The result is added to ``--output`` under the device's name (read, updated, writ
 so the GPU check's CUDA run and its CPU run of the same fit end up side by side in one file.
 ``--window-backend flex`` runs the window mixers' exact part through FlexAttention
 (``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window; it serves CUDA only) and adds its row as
-``<device>_flex``, with how many FlexAttention calls served the fit, beside the default's.
+``<device>_flex``, with how many FlexAttention calls served the fit, beside the default's; the
+speed-ups are computed only where FlexAttention served (CUDA) and include its compile.
 """
 
 from __future__ import annotations
@@ -133,12 +134,16 @@ def update(path: Path, key: str, row: dict) -> dict:
         cuda, cpu = data["cuda"], data["cpu"]
         data["cuda_speedup_train_step"] = round(cpu["seconds_per_train_step"] / max(cuda["seconds_per_train_step"], 1e-9), 2)
         data["cuda_speedup_transfer_step"] = round(cpu["seconds_per_transfer_step"] / max(cuda["seconds_per_transfer_step"], 1e-9), 2)
-    for device in ("cuda", "cpu"):  # FlexAttention's fit beside the tiles' on the same device
+    for device in ("cuda", "cpu"):  # FlexAttention's fit beside the tiles' on the same device, where it served
         tiles, flex = data.get(device), data.get(f"{device}_flex")
-        if tiles and flex and flex.get("seconds_per_train_step"):
+        if tiles and flex and flex.get("flex_calls") and flex.get("seconds_per_train_step"):
             data[f"{device}_flex_speedup_train_step"] = round(tiles["seconds_per_train_step"] / flex["seconds_per_train_step"], 2)
             data[f"{device}_flex_speedup_transfer_step"] = round(
                 tiles["seconds_per_transfer_step"] / max(flex["seconds_per_transfer_step"], 1e-9), 2
+            )
+            data[f"{device}_flex_note"] = (
+                "per-step times over the whole phase: the FlexAttention fit's include its compile (first calls); "
+                "window_backends.json times one layer after a warm-up"
             )
     from rfkit.atomic import atomic_write_text
 
