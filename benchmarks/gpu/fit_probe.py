@@ -77,14 +77,7 @@ def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict
     from rfkit.models.window import WindowAttention
     from rfkit.ops import flex_window
 
-    calls = []
-    real = flex_window.window_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    WindowAttention.window_backend, flex_window.window_attention = backend, counted
+    WindowAttention.window_backend, served = backend, flex_window.served
     with tempfile.TemporaryDirectory(prefix="rfkit-fit-probe-") as root:
         args = fit_args(device, steps, Path(root), tiny)
         if device == "cuda":
@@ -96,7 +89,7 @@ def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else 1
         finally:
-            WindowAttention.window_backend, flex_window.window_attention = None, real
+            WindowAttention.window_backend = None
         wall = time.perf_counter() - started
         if code:
             raise SystemExit(f"fit_probe: rfkit fit exited with {code}")
@@ -114,7 +107,7 @@ def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict
         "ppl_ratio": summary.get("ppl_ratio"),
         "precision": "{}, model.dtype {} ({})".format(*precision(device)),
         "window_backend": backend,
-        "flex_calls": len(calls),  # FlexAttention calls that served the fit (0 where it does not serve: the CPU)
+        "flex_calls": flex_window.served - served,  # FlexAttention calls that served the fit (0 where it does not serve: the CPU)
         "command": "rfkit " + " ".join(fit_args(device, steps, Path("ROOT"), tiny)).replace(str(REPO) + "/", ""),
     }
     if device == "cuda":

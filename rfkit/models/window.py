@@ -397,7 +397,7 @@ class WindowAttention(ReplacementMixer):
 
     def _flex_ready(self, q, k, v, state) -> bool:
         """FlexAttention serves the window part (:mod:`rfkit.ops.flex_window`): chosen
-        (``window_backend``), available, on CUDA (or on the CPU with ``flex_window.CPU_EAGER``, for
+        (``window_backend``), on CUDA (or on the CPU with ``flex_window.CPU_EAGER``, for
         a forward without a gradient: the CPU has no FlexAttention backward), for a block whose
         combination reads the window through its log-sum-exp alone (:meth:`_flex_computes_me`)."""
         field = flex_window.ENV if self.window_backend is None else "WindowAttention.window_backend"
@@ -405,7 +405,7 @@ class WindowAttention(ReplacementMixer):
             return False
         if q.device.type != "cuda" and self._needs_grad(q, k, v, state):
             return False
-        return self._flex_computes_me() and flex_window.available()
+        return self._flex_computes_me()
 
     def _flex_computes_me(self) -> bool:
         """Whether this block's combination of the window sums holds with ``A = out``, ``Z = 1``

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 #: tests and the GPU check's rehearsal turn it on, to hold this path to the tiles where no GPU is.
 CPU_EAGER = False
 _told: set = set()
+#: FlexAttention calls made in this process: tests and the GPU check read its change to tell
+#: which forwards it served
+served = 0
 
 #: the backends a window mixer's exact part can run on (``WindowAttention.window_backend``)
 BACKENDS = ("torch", "flex")
@@ -70,15 +73,6 @@ def resolve(backend: str | None, field: str = ENV) -> str:
     if backend not in BACKENDS:
         raise WindowBackendError(f"{field}: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
     return backend
-
-
-def available() -> bool:
-    """Whether this torch has FlexAttention (2.5 and later)."""
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def serves(device) -> bool:
@@ -152,7 +146,9 @@ def window_attention(q, keys, values, *, seen: int, sink: int, ring: int, window
     if S != sink + ring + L or not 1 <= window <= ring:
         raise ValueError(f"window_attention: {S} keys for {L} queries, window {window}; expected sink + ring + L = "
                          f"{sink + ring + L} keys and 1 <= window <= ring = {ring}")  # fmt: skip
+    global served
     block_mask = _mask(q.device, L, int(seen), int(sink), int(ring), int(window))
+    served += 1
     eager, compiled = _flex()
     fn = compiled if q.device.type == "cuda" else eager
     with warnings.catch_warnings():  # eager FlexAttention (the CPU's) warns that it is not compiled
