@@ -143,9 +143,11 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(2)
     prog = "rfkit" if command.lightning else f"rfkit {name}"
     try:
-        from rfkit.ops.flex_window import resolve
+        from rfkit.ops import flex_window, triton_state
 
-        resolve(None)  # RFKIT_WINDOW_BACKEND, read by every window mixer: checked before any command runs
+        # RFKIT_WINDOW_BACKEND and RFKIT_STATE_BACKEND, read by the window mixers: checked before any command runs
+        flex_window.resolve(None)
+        triton_state.resolve(None)
         if command.plugins:
             load_plugins()
         code = command.load()(argv if command.lightning else argv[1:])

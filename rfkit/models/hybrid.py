@@ -69,6 +69,7 @@ from torch import nn
 
 from rfkit.models.precision import compute_dtype
 from rfkit.models.window import TILE, WindowAttention
+from rfkit.ops import triton_state
 
 # exp(-m) is evaluated with m clamped from below, so a query whose window scores are all very
 # negative cannot overflow the old tokens' weight.
@@ -100,6 +101,11 @@ class HybridWindowAttention(WindowAttention):
         sharpness: ``tau >= 1`` in the state's weight ``g e^{-tau m}`` (module docstring); 1: the
             softmax's own scale.
     """
+
+    #: the state part of the tiled prefill and of training forwards: "torch" (chunked PyTorch
+    #: products, every device) or "triton" (rfkit.ops.triton_state: CUDA devices, float32; PyTorch
+    #: elsewhere); None: what RFKIT_STATE_BACKEND names, "torch" when unset
+    state_backend: str | None = None
 
     def __init__(
         self,
@@ -295,6 +301,9 @@ class HybridWindowAttention(WindowAttention):
             S0, z0 = self._folded(S0, z0, phi_k[:, :, :skip], old_v[:, :, :skip])
         phi_k, old_v = self._groups(phi_k[:, :, skip:]), self._groups(old_v[:, :, skip:])
         S0, z0 = self._groups(S0), self._groups(z0)
+        if self._state_kernel_ready(q):
+            a, zl = self._kernel_state(phi_q, phi_k, old_v, S0, z0)
+            return self._mix(A, Z, m, a, zl)
         if pad:
             phi_q = F.pad(phi_q, (0, 0, 0, pad))
             phi_k, old_v = F.pad(phi_k, (0, 0, 0, pad)), F.pad(old_v, (0, 0, 0, pad))
@@ -314,6 +323,31 @@ class HybridWindowAttention(WindowAttention):
         zl = pq @ z_before.unsqueeze(2).unsqueeze(-1) + intra.sum(-1, keepdim=True)
         flat = lambda t: t.reshape(B, G, self.rep, nC * C, t.shape[-1])[:, :, :, :L]  # noqa: E731
         return self._mix(A, Z, m, flat(a), flat(zl))
+
+    def _state_kernel_ready(self, q: torch.Tensor) -> bool:
+        """Whether the Triton kernels (:mod:`rfkit.ops.triton_state`) run the state part: chosen
+        (``state_backend``), float32 (the compute dtype of float32 and bf16 models), on CUDA (or on
+        the CPU under Triton's interpreter, ``triton_state.CPU_INTERPRET``: tests and rehearsal)."""
+        field = triton_state.ENV if self.state_backend is None else "HybridWindowAttention.state_backend"
+        if triton_state.resolve(self.state_backend, field) == "torch" or q.dtype != torch.float32:
+            return False
+        return triton_state.serves(q.device, self.feature_dim)
+
+    def _kernel_state(self, phi_q, phi_k, old_v, S0, z0):
+        """``a`` (B, G, rep, L, hd) and ``zl`` (.., 1) through the Triton kernels: the values with a
+        column of ones appended (its output is ``zl``), ``z0`` beside ``S0`` the same way, the decay
+        per query group (0: none)."""
+        ones = old_v.new_ones(*old_v.shape[:-1], 1)
+        lam = self.log_decay()
+        if lam is None:
+            lam = torch.zeros(phi_k.shape[1], device=phi_k.device)
+        elif not self.grouped:
+            lam = lam.index_select(0, self._per_query_index(lam.device))
+        out = triton_state.decayed_linear_state(
+            phi_q, phi_k, torch.cat([old_v, ones], -1), torch.cat([S0, z0.unsqueeze(-1)], -1), lam
+        )
+        hd = old_v.shape[-1]
+        return out[..., :hd], out[..., hd:]
 
     def _decayed_chunks(self, pq, pk, pv, intra, S0, z0):
         """The chunked linear part with the decay. Query ``i`` reads ``H_i = gamma^(i+1) S0 +

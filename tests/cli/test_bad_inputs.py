@@ -214,11 +214,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert listing(tmp_path) == before  # no output, no partial or temporary file
 
 
-def test_an_unknown_window_backend_is_refused_before_any_model_loads(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading):
-    monkeypatch.setenv("RFKIT_WINDOW_BACKEND", "fast")
+@pytest.mark.parametrize(
+    "variable,value,line",
+    [
+        ("RFKIT_WINDOW_BACKEND", "fast", "RFKIT_WINDOW_BACKEND: 'fast' is not allowed; allowed: torch, flex"),
+        ("RFKIT_STATE_BACKEND", "cuda", "RFKIT_STATE_BACKEND: 'cuda' is not allowed; allowed: torch, triton"),
+    ],
+)
+def test_an_unknown_mixer_backend_is_refused_before_any_model_loads(
+    variable, value, line, tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch, no_loading
+):
+    monkeypatch.setenv(variable, value)
     before = listing(tmp_path)
     code, out, err = run_cli(["fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "runs")], capsys)
-    assert_one_line(code, out, err, "RFKIT_WINDOW_BACKEND: 'fast' is not allowed; allowed: torch, flex")
+    assert_one_line(code, out, err, line)
     assert listing(tmp_path) == before
 
 
