@@ -28,12 +28,15 @@ Steps (``--only`` / ``--skip`` take these names):
   float32 on a CPU without native bf16, where emulated bf16 is several times slower),
   and ``fit_cpu``, the same fit on the machine's CPU, for seconds per step and peak memory side by side;
 - ``window_backends``: the window mixers' exact part on its two backends, the tiled PyTorch path
-  and one FlexAttention call (benchmarks/gpu/window_backends.py): one hybrid layer's training pass
-  and a 32k prefill, their agreement and speed side by side; it fails when they disagree;
+  and one FlexAttention call, and the hybrid's state part on its two, PyTorch chunks and the
+  Triton kernels (benchmarks/gpu/window_backends.py): one hybrid layer's training pass and a 32k
+  prefill, their agreement and speed side by side; it fails when they disagree;
 - ``table2_rest``: Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes, added to the same file;
 - ``fit_flex``: the ``fit`` step again with the window part through FlexAttention, its row beside
   the tiles' in ``fit.json`` (last: it answers the opt-in backend's question end to end, and no
-  other step waits for it; on the CPU FlexAttention does not serve and the row says so).
+  other step waits for it; on the CPU FlexAttention does not serve and the row says so);
+- ``fit_triton``: the same with the hybrid's state part through the Triton kernels
+  (``RFKIT_STATE_BACKEND=triton``), its row ``<device>_triton`` in ``fit.json``.
 
 The steps run in that order, the claims the issue tracker asks about first; the whole check is
 sized for 9 minutes on an H100 (``--budget``, default 540 s: a step that would start past it is
@@ -143,16 +146,21 @@ def plan(mode: str, py: str, carry: Path, work: Path, out: Path) -> list[Step]:
         Step("fit_cpu", "the same fit on this machine's CPU, for the per-step time and peak side by side",
              [[py, "-P", str(HERE / "fit_probe.py"), "--device", "cpu", "--steps", "3", "--output", str(work / "fit.json")]],
              {"gpu": 100}, outputs=["fit.json"], modes=("gpu",)),
-        Step("window_backends", "the window part on the tiles against FlexAttention: one hybrid layer's training pass and prefill, agreement and speed",
+        Step("window_backends", "the window part on the tiles against FlexAttention, the state part on PyTorch against Triton: "
+             "one hybrid layer's training pass and prefill, agreement and speed",
              [[py, "-P", str(HERE / "window_backends.py"), "--device", device, "--output", str(work),
-               "--budget-s", "30" if cpu else "70", *tiny]],
-             {"gpu": 100, "cpu": 90}, outputs=["window_backends.json", "window_backends.md"]),
+               "--budget-s", "40" if cpu else "90", *tiny]],
+             {"gpu": 120, "cpu": 120}, outputs=["window_backends.json", "window_backends.md"]),
         Step("table2_rest", "Table 2 at Qwen2-7B's and Qwen2-0.5B's shapes (added to table2.json)",
              [shapes + ["table2", "--shapes", "qwen2-7b,qwen2-0.5b", "--resume", "--device", device, "--output", str(work),
                         "--budget-s", "60" if cpu else "200", *tiny]],
              {"gpu": 220, "cpu": 120}, outputs=["table2.json"]),
         Step("fit_flex", f"the fit step again with the window part through FlexAttention (RFKIT_WINDOW_BACKEND=flex) on {device}",
              [[py, "-P", str(HERE / "fit_probe.py"), "--device", device, *fit_steps, "--window-backend", "flex",
+               "--output", str(work / "fit.json"), *tiny]],
+             {"gpu": 100, "cpu": 300}, outputs=["fit.json"]),
+        Step("fit_triton", f"the fit step again with the hybrid's state part through the Triton kernels (RFKIT_STATE_BACKEND=triton) on {device}",
+             [[py, "-P", str(HERE / "fit_probe.py"), "--device", device, *fit_steps, "--state-backend", "triton",
                "--output", str(work / "fit.json"), *tiny]],
              {"gpu": 100, "cpu": 300}, outputs=["fit.json"]),
     ]  # fmt: skip

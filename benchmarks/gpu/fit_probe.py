@@ -1,6 +1,6 @@
 """A short fit of the default recipe on one device: seconds per step by phase and the peak memory.
 
-    python benchmarks/gpu/fit_probe.py --device cuda --output fit.json [--steps 8] [--tiny] [--window-backend flex]
+    python benchmarks/gpu/fit_probe.py --device cuda --output fit.json [--steps 8] [--tiny] [--window-backend flex] [--state-backend triton]
 
 Runs ``rfkit fit --config recipes/smollm2_b05.yaml`` in this process with the GPU recipes'
 precision (``trainer.precision: bf16-true`` over a ``model.dtype: bfloat16`` base: the new weights
@@ -17,11 +17,14 @@ so the GPU check's CUDA run and its CPU run of the same fit end up side by side 
 (``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window; it serves CUDA only) and adds its row as
 ``<device>_flex``, with how many FlexAttention calls served the fit, beside the default's; the
 speed-ups are computed only where FlexAttention served (CUDA) and include its compile.
+``--state-backend triton`` does the same for the hybrid's state part through the Triton kernels
+(``RFKIT_STATE_BACKEND=triton``, rfkit.ops.triton_state): row ``<device>_triton``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -70,14 +73,20 @@ def fit_args(device: str, steps: int, root: Path, tiny: bool) -> list[str]:
     return args
 
 
-def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict:
+#: the opt-in backends' rows: (row suffix, the count that says the backend served, its name)
+BACKEND_ROWS = (("flex", "flex_calls", "FlexAttention"), ("triton", "triton_calls", "Triton state"))
+
+
+def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch", state_backend: str = "torch") -> dict:
     import torch
 
     from rfkit.cli import main
+    from rfkit.models.hybrid import HybridWindowAttention
     from rfkit.models.window import WindowAttention
-    from rfkit.ops import flex_window
+    from rfkit.ops import flex_window, triton_state
 
     WindowAttention.window_backend, served = backend, flex_window.served
+    HybridWindowAttention.state_backend, state_served = state_backend, triton_state.served
     with tempfile.TemporaryDirectory(prefix="rfkit-fit-probe-") as root:
         args = fit_args(device, steps, Path(root), tiny)
         if device == "cuda":
@@ -89,7 +98,7 @@ def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict
         except SystemExit as exit:
             code = exit.code if isinstance(exit.code, int) else 1
         finally:
-            WindowAttention.window_backend = None
+            WindowAttention.window_backend = HybridWindowAttention.state_backend = None
         wall = time.perf_counter() - started
         if code:
             raise SystemExit(f"fit_probe: rfkit fit exited with {code}")
@@ -108,6 +117,8 @@ def run_fit(device: str, steps: int, tiny: bool, backend: str = "torch") -> dict
         "precision": "{}, model.dtype {} ({})".format(*precision(device)),
         "window_backend": backend,
         "flex_calls": flex_window.served - served,  # FlexAttention calls that served the fit (0 where it does not serve: the CPU)
+        "state_backend": state_backend,
+        "triton_calls": triton_state.served - state_served,  # the Triton state kernels' forward launches (0 on the CPU)
         "command": "rfkit " + " ".join(fit_args(device, steps, Path("ROOT"), tiny)).replace(str(REPO) + "/", ""),
     }
     if device == "cuda":
@@ -127,15 +138,16 @@ def update(path: Path, key: str, row: dict) -> dict:
         cuda, cpu = data["cuda"], data["cpu"]
         data["cuda_speedup_train_step"] = round(cpu["seconds_per_train_step"] / max(cuda["seconds_per_train_step"], 1e-9), 2)
         data["cuda_speedup_transfer_step"] = round(cpu["seconds_per_transfer_step"] / max(cuda["seconds_per_transfer_step"], 1e-9), 2)
-    for device in ("cuda", "cpu"):  # FlexAttention's fit beside the tiles' on the same device, where it served
-        tiles, flex = data.get(device), data.get(f"{device}_flex")
-        if tiles and flex and flex.get("flex_calls") and flex.get("seconds_per_train_step"):
-            data[f"{device}_flex_speedup_train_step"] = round(tiles["seconds_per_train_step"] / flex["seconds_per_train_step"], 2)
-            data[f"{device}_flex_speedup_transfer_step"] = round(
-                tiles["seconds_per_transfer_step"] / max(flex["seconds_per_transfer_step"], 1e-9), 2
+    # an opt-in backend's fit beside the default's on the same device, where the backend served
+    for device, (name, calls, what) in itertools.product(("cuda", "cpu"), BACKEND_ROWS):
+        tiles, other = data.get(device), data.get(f"{device}_{name}")
+        if tiles and other and other.get(calls) and other.get("seconds_per_train_step"):
+            data[f"{device}_{name}_speedup_train_step"] = round(tiles["seconds_per_train_step"] / other["seconds_per_train_step"], 2)
+            data[f"{device}_{name}_speedup_transfer_step"] = round(
+                tiles["seconds_per_transfer_step"] / max(other["seconds_per_transfer_step"], 1e-9), 2
             )
-            data[f"{device}_flex_note"] = (
-                "per-step times over the whole phase: the FlexAttention fit's include its compile (first calls); "
+            data[f"{device}_{name}_note"] = (
+                f"per-step times over the whole phase: the {what} fit's include its compile (first calls); "
                 "window_backends.json times one layer after a warm-up"
             )
     from rfkit.atomic import atomic_write_text
@@ -151,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps, and as many transfer steps")
     parser.add_argument("--tiny", action="store_true", help="short blocks and few samples (the CPU rehearsal)")
     parser.add_argument("--window-backend", choices=("torch", "flex"), default="torch",
-                        help="the window mixers' exact part: the tiles (default) or FlexAttention (row <device>_flex)")  # fmt: skip
+                        help="the window mixers' exact part: the tiles (default) or FlexAttention (row <device>_flex)")
+    parser.add_argument("--state-backend", choices=("torch", "triton"), default="torch",
+                        help="the hybrid's state part: PyTorch (default) or the Triton kernels (row <device>_triton)")  # fmt: skip
     args = parser.parse_args(argv)
-    row = run_fit(args.device, args.steps, args.tiny, args.window_backend)
-    key = args.device if args.window_backend == "torch" else f"{args.device}_flex"
+    row = run_fit(args.device, args.steps, args.tiny, args.window_backend, args.state_backend)
+    suffix = "".join(f"_{b}" for b in (args.window_backend, args.state_backend) if b != "torch")
+    key = args.device + suffix
     update(Path(args.output), key, row)
     print(
         f"fit_probe: {key}: {row['device']}: {row['seconds_per_train_step']} s per training step, "

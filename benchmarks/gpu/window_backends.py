@@ -1,6 +1,8 @@
-"""The window mixers' exact part on its two backends, side by side in one process: the tiled PyTorch
-path (the default, in tiles of 32 queries and of 128) against one FlexAttention call
-(``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window), at SmolLM2's converted-layer shape.
+"""The window mixers' exact part and the hybrid's state part on their backends, side by side in one
+process: the tiled PyTorch path (the default, in tiles of 32 queries and of 128) against one
+FlexAttention call (``RFKIT_WINDOW_BACKEND=flex``, rfkit.ops.flex_window) for the window, and the
+PyTorch chunks against the Triton kernels (``RFKIT_STATE_BACKEND=triton``, rfkit.ops.triton_state)
+for the state, each alone and both together, at SmolLM2's converted-layer shape.
 
     python benchmarks/gpu/window_backends.py --device cuda --output DIR [--runs 5] [--budget-s 110]
     python benchmarks/gpu/window_backends.py --device cpu --tiny --output DIR    # the rehearsal
@@ -10,11 +12,12 @@ head_dim 64, sink 4 + window 56, 16 features, decay horizon 2,048; bf16 activati
 float32 as the precision policy does) at the blocks the recipes train on (4 x 512 and 1 x 4,096;
 each shape compiles FlexAttention once), and an inference prefill of 32,768 tokens; for each the median seconds of
 ``--runs`` after a warm-up (FlexAttention's first call, which compiles it, timed apart), the peak
-memory, and how far flex's and the larger tiles' output and gradients are from the default
-tiles' (relative Frobenius error): the tile size is the other GPU setting the check measures.
-The script fails (exit 1) when they disagree beyond the tolerance, so a wrong kernel shows as a
-failed step of the GPU check. ``--tiny`` (the CPU rehearsal): two small rows, inference only
-(FlexAttention has no backward on the CPU), FlexAttention eager.
+memory, and how far each variant's output and gradients are from the default's (relative
+Frobenius error): the tile size is the other GPU setting the check measures. The script fails
+(exit 1) when they disagree beyond the tolerance or a backend did not serve its variant, so a
+wrong kernel shows as a failed step of the GPU check. ``--tiny`` (the CPU rehearsal): two small
+rows, inference only (FlexAttention has no backward on the CPU), FlexAttention eager, the Triton
+kernels under Triton's interpreter.
 
 Writes ``window_backends.json`` and ``.md`` in ``--output`` after every row.
 """
@@ -33,7 +36,7 @@ import rfkit.models.hybrid as hybrid_module
 import rfkit.models.window as window_module
 from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.window import TILE, WindowAttention
-from rfkit.ops import flex_window
+from rfkit.ops import flex_window, triton_state
 
 KVQ = [g for g in range(3) for _ in range(3)]  # SmolLM2: 9 query heads over 3 KV heads
 HEAD_DIM = 64
@@ -56,15 +59,23 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-#: what each column runs: the backend, and the tiles' query count (rfkit.models.window.TILE, 32,
-#: sized for a 2-core CPU; a GPU may want larger tiles); None keeps it
-VARIANTS = {"torch": ("torch", None), "torch_tile128": ("torch", 128), "flex": ("flex", None)}
+#: what each column runs: the window backend, the tiles' query count (rfkit.models.window.TILE,
+#: 32, sized for a 2-core CPU; a GPU may want larger tiles; None keeps it) and the state backend
+VARIANTS = {
+    "torch": ("torch", None, "torch"),
+    "torch_tile128": ("torch", 128, "torch"),
+    "flex": ("flex", None, "torch"),
+    "triton": ("torch", None, "triton"),
+    "flex_triton": ("flex", None, "triton"),
+}
+COLUMNS = {"torch_tile128": "tiles of 128", "flex": "flex", "triton": "triton state", "flex_triton": "flex + triton"}
 
 
 def once(b, variant: str, batch: int, length: int, train: bool, device, seed: int = 1):
     """One forward (and backward when ``train``) of ``variant``: seconds, output, gradients."""
-    backend, tile = VARIANTS[variant]
+    backend, tile, state = VARIANTS[variant]
     WindowAttention.window_backend = backend
+    HybridWindowAttention.state_backend = state
     window_module.TILE = hybrid_module.TILE = tile or TILE
     b.train(train)
     b.zero_grad(set_to_none=True)
@@ -93,7 +104,7 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
     row = {"batch": batch, "length": length, "pass": "train (forward + backward)" if train else "prefill (forward)"}
     outputs = {}
     for backend in VARIANTS:
-        served = flex_window.served
+        served, state_served = flex_window.served, triton_state.served
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         first, y, grads = once(b, backend, batch, length, train, device)
@@ -105,9 +116,15 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
             row[f"{backend}_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         outputs[backend] = (y, grads)
         row[f"{backend}_flex_calls"] = flex_window.served - served  # 0 for the tiles, one per pass for flex: it served
+        row[f"{backend}_state_calls"] = triton_state.served - state_served  # the same for the Triton kernels
     y_t, g_t = outputs["torch"]
-    agree = row["torch_flex_calls"] == row["torch_tile128_flex_calls"] == 0 and row["flex_flex_calls"] == runs + 1
-    for variant in ("flex", "torch_tile128"):
+    # every pass of a variant went through the backends it names, and no other
+    agree = all(
+        row[f"{v}_flex_calls"] == (runs + 1 if VARIANTS[v][0] == "flex" else 0)
+        and row[f"{v}_state_calls"] == (runs + 1 if VARIANTS[v][2] == "triton" else 0)
+        for v in VARIANTS
+    )
+    for variant in COLUMNS:
         y_v, g_v = outputs[variant]
         errors = {"output": rel_err(y_v, y_t), **{f"grad_{n}": rel_err(g_v[n], g_t[n]) for n in g_t if g_t[n] is not None}}
         row[f"{variant}_rel_err"] = {n: float(f"{e:.3g}") for n, e in errors.items()}
@@ -119,19 +136,22 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [
-        f"Window part, tiled PyTorch against FlexAttention: {result['device']}, bf16 activations (float32 compute), "
-        f"one hybrid layer ({result['layer']}); medians of {result['runs']} runs after a warm-up.",
+        f"Window part (tiled PyTorch against FlexAttention) and state part (PyTorch chunks against the Triton "
+        f"kernels): {result['device']}, bf16 activations (float32 compute), one hybrid layer ({result['layer']}); "
+        f"medians of {result['runs']} runs after a warm-up (a first call compiles FlexAttention and the kernels); "
+        "speed-ups and errors against the default, tiles of 32 with the PyTorch state.",
         "",
-        "| pass | batch x length | tiles of 32 s | tiles of 128 s | flex s | tiles of 128 speed-up | flex speed-up | flex first call s | flex max rel. error | agree |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| pass | batch x length | default s | " + " | ".join(f"{name} s (speed-up)" for name in COLUMNS.values())
+        + " | flex first call s | worst rel. error | agree |",
+        "|---|---|---:|" + "---:|" * len(COLUMNS) + "---:|---:|---|",
     ]
     for r in result["rows"]:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} |" + " |" * 8)
+            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} |" + " |" * (len(COLUMNS) + 3))
             continue
-        worst = max(r["flex_rel_err"].values())
-        lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {r['torch_tile128_s']:.4f} | "
-                     f"{r['flex_s']:.4f} | {r['torch_tile128_speedup']:.2f}x | {r['flex_speedup']:.2f}x | {r['flex_first_s']:.2f} | "
+        worst = max(max(r[f"{v}_rel_err"].values()) for v in COLUMNS)
+        cells = " | ".join(f"{r[f'{v}_s']:.4f} ({r[f'{v}_speedup']:.2f}x)" for v in COLUMNS)
+        lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {cells} | {r['flex_first_s']:.2f} | "
                      f"{worst:.2e} | {'yes' if r['agree'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -153,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     # the PyTorch tiles a GPU runs, not the CPU's compiled prefill (which never reaches either backend)
     WindowAttention.use_kernel = False
     flex_window.CPU_EAGER = True  # the rehearsal: FlexAttention eager on the CPU (off for users)
+    triton_state.CPU_INTERPRET = True  # and the Triton kernels interpreted
     b = layer(device, args.tiny)
     cases = [(1, 128, False), (2, 256, False)] if args.tiny else [
         (4, 512, True), (1, 4096, True), (1, 32768, False)]  # fmt: skip
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {**ident, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
                 failed = True
             finally:
-                WindowAttention.window_backend = None
+                WindowAttention.window_backend = HybridWindowAttention.state_backend = None
                 window_module.TILE = hybrid_module.TILE = TILE
         failed = failed or row.get("agree") is False
         result["rows"].append(row)

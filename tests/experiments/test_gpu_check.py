@@ -70,7 +70,8 @@ def test_every_step_runs_in_both_modes_with_the_same_scripts(check, tmp_path):
             next((a for a in cmd if a.endswith((".py", "pytest"))), cmd[0]) for cmd in step.commands if cmd[0] != "nvidia-smi"
         ]
         assert scripts(g) == scripts(c), g.name  # the rehearsal runs the very scripts the GPU runs
-        assert sum(s.timeout["gpu"] for s in gpu) <= 1500  # each step bounded; the budget bounds the whole
+        # each step bounded (the budget, 540 s, bounds the whole: a step gets at most what is left)
+        assert sum(s.timeout["gpu"] for s in gpu) <= 1600
 
 
 def test_the_carry_and_the_rehearsal_agree_on_what_the_gpu_machine_lacks():
