@@ -11,16 +11,19 @@ with ``q`` the feature-mapped queries ``(B, G, R, L, f)`` (``R`` query heads rea
 ``k`` the feature-mapped old keys ``(B, G, L, f)``, ``v`` their values with a column of ones
 appended (so the normaliser ``zl`` comes out as the last column) ``(B, G, L, D)`` and ``S0`` the
 state before the chunk ``(B, G, f, D)``. The PyTorch twin (``HybridWindowAttention._combine``)
-runs it as a few batched products over chunks of ``TILE`` tokens, every chunk's state written to
-memory; here one program per (row, group, query head, slice of ``D``) walks the chunks in order
-with the state in registers: per chunk of ``C`` tokens, ``q S`` for what came before, a masked
-``C x C`` product for the chunk itself, then ``S <- gamma^C S + sum_t gamma^(C-1-u_t) k_t v_t^T``.
+runs it as a few batched products over chunks of ``TILE`` tokens, every intermediate written to
+memory. Here, in chunks of :data:`CHUNK` tokens (:mod:`rfkit.ops.triton_state_kernels`): one walk
+in order per (row, group, slice of ``D``) writes the state before every chunk,
+``S <- gamma^C S + sum_t gamma^(C-1-u_t) k_t v_t^T`` (the query heads of a group share it); then
+one program per (row, group, query head, chunk, slice of ``D``), all at once, computes the chunk's
+output, ``q S`` for what came before plus a masked ``C x C`` product for the chunk itself.
 
-The backward is two more walks: forward again for ``dq`` (the same state), and in reverse for
-``dk``, ``dv`` and ``dS0``, carrying ``dS = sum_{later i} gamma^(...) q_i do_i^T``. The decay's
-gradient needs no kernel: with ``i``, ``t`` the positions, ``dL/dlambda = sum_i i (q_i . dq_i) -
-sum_t t (k_t . dk_t) + <S0, dS0>`` (the powers are ``e^{lambda (i - t)}``; ``S0`` stands at
-position -1), reduced in float64 from the kernels' gradients.
+The backward likewise: ``dq`` per chunk from the saved states; one walk in reverse per (row,
+group, slice) for ``dS``, what the later chunks' queries read of a key (``S0``'s gradient is its
+last value); then ``dk`` and ``dv`` per chunk. The decay's gradient needs no kernel: with ``i``,
+``t`` the positions, ``dL/dlambda = sum_i i (q_i . dq_i) - sum_t t (k_t . dk_t) + <S0, dS0>`` (the
+powers are ``e^{lambda (i - t)}``; ``S0`` stands at position -1), reduced in float64 from the
+kernels' gradients.
 
 Float32 throughout (the precision policy computes the hybrid in float32 under bf16 activations),
 ``tl.dot`` at IEEE precision (no TF32), so the kernels agree with the PyTorch path to float32
