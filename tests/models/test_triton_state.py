@@ -5,7 +5,8 @@ decay's included), and the hybrid through them against its PyTorch chunks: prefi
 carry the state, a training forward and backward at a drawn shorter window, GQA and per-head
 groups, with and without decay, a converted model's decoding; and where they must not serve
 (float64, a feature size the kernels do not take, a CPU without the interpreter, an unknown
-backend; the CLI's refusal is in tests/cli/test_bad_inputs.py)."""
+backend; the CLI's refusal is in tests/cli/test_bad_inputs.py). And the kernels compiled for the
+lent GPUs' architecture, without one."""
 
 from __future__ import annotations
 
@@ -208,3 +209,29 @@ def test_a_converted_model_decodes_and_generates_through_triton_as_through_pytor
     assert torch.equal(tokens_t, tokens_p)
     torch.testing.assert_close(full_t, full_p, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits_t[mask.bool()], logits_p[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("F,BD", [(16, 32), (16, 64)], ids=["smollm2", "llama2_7b"])
+def test_every_kernel_compiles_for_the_lent_gpus(F, BD):
+    """The kernels compiled ahead of time, here without a GPU, for the H100 / H200 the GPU check
+    runs on (sm_90): Triton's front end, its layouts and ptxas all accept them, so a compile
+    error cannot first show on a lent GPU's minutes. Feature width 16 with the slices of D that
+    SmolLM2 (64 + 1 columns: 32) and Llama-2-7B (128 + 1: 64) take (``triton_state.block_d``)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rfkit.ops import triton_state_kernels as source
+
+    assert triton_state.block_d(65, 16) == 32 and triton_state.block_d(129, 16) == 64
+    constants = {"F": F, "C": triton_state.CHUNK, "BD": BD}
+    for name in ("states", "outputs", "grad_q", "grad_states", "grad_kv"):
+        params = inspect.signature(getattr(source, name)).parameters
+        signature = {p: "constexpr" if p in constants else "*fp32" if p.endswith("_ptr") else "i32" for p in params}
+        compiled = triton.compile(
+            ASTSource(fn=triton.jit(getattr(source, name)), signature=signature, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+        )
+        assert "ld.global" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000, name
