@@ -49,7 +49,7 @@ ENV = "RFKIT_STATE_BACKEND"
 #: off by default, far slower than the PyTorch path. The CPU tests and the GPU check's rehearsal
 #: turn it on, to hold these kernels to the PyTorch path where no GPU is.
 CPU_INTERPRET = False
-#: kernel launches made in this process (forward walks): tests and the GPU check read its change
+#: forward passes the kernels served in this process: tests and the GPU check read its change
 served = 0
 #: tokens per chunk (a power of two, at least 16: ``tl.dot``'s smallest side)
 CHUNK = 64
@@ -73,6 +73,7 @@ def resolve(backend: str | None, field: str = ENV) -> str:
 
 
 def importable() -> bool:
+    """Whether Triton imports here (CUDA builds of torch bring it; the test extra installs it)."""
     try:
         import triton  # noqa: F401
     except ImportError:
