@@ -69,8 +69,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 def compile_decode_steps(model: torch.nn.Module, **options) -> int:
     """Compile the steady decode step of every window mixer in ``model`` (``torch.compile(...,
-    fullgraph=True, dynamic=True, **options)``, e.g. ``mode="reduce-overhead"`` for CUDA graphs);
-    returns how many. The CPU float32 and bf16 paths keep their C step, which is faster there."""
+    fullgraph=True, dynamic=True, **options)``, e.g. ``mode="reduce-overhead"``, which asks for
+    CUDA graphs: docs/generation.md); returns how many. The CPU float32 and bf16 paths keep their
+    C step, which is faster there."""
     mixers = [m for m in model.modules() if isinstance(m, WindowAttention)]
     for mixer in mixers:
         mixer.compile_step(**options)
