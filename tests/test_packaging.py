@@ -43,19 +43,7 @@ def test_wheel_maps_callbacks_and_recipes_into_the_package(tmp_path):
 
 @pytest.mark.slow
 def test_import_rfkit_does_not_import_cuda_only_packages(modules_after_import_rfkit):
-    assert "rfkit" in modules_after_import_rfkit and "torch" in modules_after_import_rfkit  # the probe did import
-    assert not modules_after_import_rfkit & {"mamba_ssm", "causal_conv1d"}
-
-
-@pytest.mark.slow
-def test_import_rfkit_needs_no_triton_and_leaves_its_kernels_unimported():
-    """Triton is no test of the above: where it is installed torch imports it itself
-    (``torch._dynamo`` asks whether it is there). rfkit imports where Triton cannot be imported,
-    and the module of its Triton kernels waits until they serve (rfkit.ops.triton_state)."""
-    probe = (
-        "import sys; sys.modules['triton'] = None\n"  # any import of triton now fails
-        "import rfkit, rfkit.cli, rfkit.models.hybrid\n"
-        "print('rfkit.ops.triton_state_kernels' in sys.modules, 'rfkit.ops.triton_state' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
-    assert out.stdout.split() == ["False", "True"]
+    """Nor Triton (the probe runs with it unimportable), nor the module of rfkit's Triton kernels,
+    which waits until they serve (rfkit.ops.triton_state)."""
+    assert {"rfkit", "torch", "rfkit.ops.triton_state"} <= modules_after_import_rfkit  # the probe did import
+    assert not modules_after_import_rfkit & {"mamba_ssm", "causal_conv1d", "triton", "rfkit.ops.triton_state_kernels"}
