@@ -193,6 +193,52 @@ def prefill_then_steps(model, ids, prefix: int = 7):
     return full, torch.cat(steps, 1), cache
 
 
+def converted_tiny(operator, dtype=torch.float64):
+    """A tiny Llama with heads [0, 1] of layer 0 and [2, 3] of layer 1 replaced by ``operator``, in
+    ``dtype``, eval mode, every hybrid gate at 0.8 (open, so the state counts)."""
+    from rfkit.models.hybrid import HybridWindowAttention
+    from rfkit.models.modeling import to_recurformer
+
+    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], operator).to(dtype).eval()
+    for m in model.modules():
+        if isinstance(m, HybridWindowAttention):
+            with torch.no_grad():
+                m.gate.fill_(0.8)
+    return model
+
+
+def left_padded_ids(length: int = 20, pad: int = 6, seed: int = 4):
+    """Two rows of ``length`` random ids and their mask, the second row's first ``pad`` masked."""
+    ids = random_ids(2, length, seed=seed)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+def decode_alike_on_two_backends(model, backends, choose, served, length: int, prefix: int, new_tokens: int, tol: float):
+    """Run ``model`` on each of ``backends`` (``choose(name)`` selects one; ``served()`` counts the
+    calls of the first, the one under test, the second being the reference): cached steps after a
+    ``prefix``-token prefill give the full forward's logits on each, the first served and the
+    second did not, and greedy ``generate`` on a left-padded batch picks the same tokens with
+    the same logits on both (within ``tol``)."""
+    ids, mask = left_padded_ids(length)
+    results = []
+    for backend in backends:
+        choose(backend)
+        before = served()
+        full, steps, _ = prefill_then_steps(model, ids, prefix=prefix)
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            logits = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(steps, full, rtol=tol, atol=tol)
+        results.append((full, tokens, logits, served() - before))
+    (full_a, tokens_a, logits_a, calls_a), (full_b, tokens_b, logits_b, calls_b) = results
+    assert calls_a > 0 and calls_b == 0
+    assert torch.equal(tokens_a, tokens_b)
+    torch.testing.assert_close(full_a, full_b, rtol=tol, atol=tol)
+    torch.testing.assert_close(logits_a[mask.bool()], logits_b[mask.bool()], rtol=tol, atol=tol)
+
+
 def generate_plain_and_left_padded(model, ids, pad: int = 3, new_tokens: int = 8):
     """Greedy generations of ``ids`` alone and left padded by ``pad`` tokens (padding stripped)."""
     zeros = torch.zeros(ids.shape[0], pad, dtype=torch.long)

@@ -2,7 +2,10 @@
 ``import rfkit`` never imports Triton). Plain functions, made kernels by
 :func:`rfkit.ops.triton_state._kernels`: compiled (``triton.jit``) for CUDA, interpreted for the CPU
 (so only Triton's builtins are called here: ``tl.zeros`` and ``tl.cdiv`` are Triton functions of
-their own, which the interpreter cannot call from an uncompiled kernel).
+their own, which the interpreter cannot call from an uncompiled kernel). For the same reason each
+kernel spells out its own index set-up (positions, slice of ``D``, decay powers) instead of calling
+a shared helper: a helper would have to be a compiled Triton function for the GPU and a plain one
+for the interpreter, and one module's name cannot be both.
 
 Two walks in order over the chunks, one per (row, group, slice of D), carry a state; everything
 else is one program per (row, group[, query head], chunk, slice of D), all chunks at once:

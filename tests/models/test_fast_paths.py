@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import packed, random_ids, tiny_model
+from helpers import converted_tiny, left_padded_ids, random_ids, tiny_model
 
 import rfkit.models.window as window_module
 from rfkit.models.hybrid import HybridWindowAttention
@@ -180,14 +180,8 @@ def test_the_step_writes_its_state_in_place():
 @pytest.mark.parametrize("operator", [HybridOperator(sink=2, window=5, feature_dim=4), SinkRecentOperator(sink=2, window=5)])
 def test_generate_is_identical_through_the_general_path(operator, monkeypatch):
     """Greedy tokens of ``generate`` (left-padded batch) equal those of the general path."""
-    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], operator).double().eval()
-    for m in model.modules():
-        if isinstance(m, HybridWindowAttention):
-            with torch.no_grad():
-                m.gate.fill_(0.8)
-    ids = random_ids(2, 20, seed=4)
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
+    model = converted_tiny(operator)
+    ids, mask = left_padded_ids()
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     fast = model.generate(ids, **kwargs)
     logits_fast = model(ids, attention_mask=mask).logits

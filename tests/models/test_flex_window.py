@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prefill_then_steps, random_ids, tiny_model
+from helpers import converted_tiny, decode_alike_on_two_backends
 from test_fast_paths import W, block, masked_reference, qkv
 
 from rfkit.errors import RFKitError
-from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.hybrid_mamba import HybridMambaAttention
-from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator
 from rfkit.models.window import WindowAttention
 from rfkit.ops import flex_window
@@ -156,29 +154,8 @@ def test_a_converted_model_decodes_and_generates_through_flex_as_through_the_til
     """A converted model whose prefills run through FlexAttention: cached steps after a prefill
     give the full forward's logits, and greedy ``generate`` on a left-padded batch (each row's
     prefill on its own) picks the tiles' tokens with the tiles' logits, in float64."""
-    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], HybridOperator(sink=2, window=5, feature_dim=4))
-    model = model.double().eval()
-    for m in model.modules():
-        if isinstance(m, HybridWindowAttention):
-            with torch.no_grad():
-                m.gate.fill_(0.8)
+    model = converted_tiny(HybridOperator(sink=2, window=5, feature_dim=4))
     monkeypatch.setattr(WindowAttention, "use_kernel", False)
-    ids = random_ids(2, 20, seed=4)
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    results = {}
-    for backend in ("flex", "torch"):
-        monkeypatch.setattr(WindowAttention, "window_backend", backend)
-        before = flex_window.served
-        full, steps, _ = prefill_then_steps(model, ids, prefix=9)
-        with torch.no_grad():
-            tokens = model.generate(ids, **kwargs)
-            logits = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-9)
-        results[backend] = (full, tokens, logits, flex_window.served - before)
-    (full_f, tokens_f, logits_f, calls_f), (full_t, tokens_t, logits_t, calls_t) = results["flex"], results["torch"]
-    assert calls_f > 0 and calls_t == 0
-    assert torch.equal(tokens_f, tokens_t)
-    torch.testing.assert_close(full_f, full_t, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(logits_f[mask.bool()], logits_t[mask.bool()], rtol=1e-9, atol=1e-9)
+    choose = lambda name: monkeypatch.setattr(WindowAttention, "window_backend", name)  # noqa: E731
+    decode_alike_on_two_backends(model, ("flex", "torch"), choose, lambda: flex_window.served,
+                                 length=20, prefix=9, new_tokens=10, tol=1e-9)  # fmt: skip

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prefill_then_steps, random_ids, tiny_model
+from helpers import converted_tiny, decode_alike_on_two_backends
 from test_fast_paths import block, qkv
 
 from rfkit.errors import RFKitError
 from rfkit.models.hybrid import HybridWindowAttention
-from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator
 from rfkit.models.window import WindowAttention
 from rfkit.ops import triton_state
@@ -184,31 +183,10 @@ def test_a_converted_model_decodes_and_generates_through_triton_as_through_pytor
     """A converted float32 model whose prefills run the state part through the kernels: cached
     steps after a prefill give the full forward's logits, and greedy ``generate`` on a left-padded
     batch picks PyTorch's tokens with PyTorch's logits."""
-    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], HybridOperator(sink=2, window=5, feature_dim=16, decay_horizon=8.0))
-    model = model.float().eval()
-    for m in model.modules():
-        if isinstance(m, HybridWindowAttention):
-            with torch.no_grad():
-                m.gate.fill_(0.8)
-    ids = random_ids(2, 40, seed=4)
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    results = {}
-    for backend in ("triton", "torch"):
-        monkeypatch.setattr(HybridWindowAttention, "state_backend", backend)
-        before = triton_state.served
-        full, steps, _ = prefill_then_steps(model, ids, prefix=30)
-        with torch.no_grad():
-            tokens = model.generate(ids, **kwargs)
-            logits = model(ids, attention_mask=mask).logits
-        torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
-        results[backend] = (full, tokens, logits, triton_state.served - before)
-    (full_t, tokens_t, logits_t, calls_t), (full_p, tokens_p, logits_p, calls_p) = results["triton"], results["torch"]
-    assert calls_t > 0 and calls_p == 0
-    assert torch.equal(tokens_t, tokens_p)
-    torch.testing.assert_close(full_t, full_p, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits_t[mask.bool()], logits_p[mask.bool()], rtol=1e-4, atol=1e-4)
+    model = converted_tiny(HybridOperator(sink=2, window=5, feature_dim=16, decay_horizon=8.0), torch.float32)
+    choose = lambda name: monkeypatch.setattr(HybridWindowAttention, "state_backend", name)  # noqa: E731
+    decode_alike_on_two_backends(model, ("triton", "torch"), choose, lambda: triton_state.served,
+                                 length=40, prefix=30, new_tokens=8, tol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("F,BD", [(16, 32), (16, 64)], ids=["smollm2", "llama2_7b"])
