@@ -40,7 +40,6 @@ the model classes that rebuild it from a config are one unit: a saved folder shi
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -55,6 +54,7 @@ from rfkit.models.configuration import RecurFormerLlamaConfig, RecurFormerMistra
 from rfkit.models.layout import AttentionLayout, GroupView, group_runs, projection_biases, sliding_window
 from rfkit.models.operators import ReplacementOperator
 from rfkit.models.precision import default_dtype, new_weight_dtype
+from rfkit.models.rotary import rotate, rotation_matrix
 
 log = logging.getLogger(__name__)
 
@@ -76,41 +76,6 @@ PACKED_FORMAT = 2
 def format_version(config) -> int:
     """The layout version of a converted model's weights (1: before the packed projection)."""
     return int(getattr(config, "rf_format_version", None) or 1)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` (B, H, L, hd) with the model's ``cos`` / ``sin`` (B, L, hd): the
-    formula of transformers' ``apply_rotary_pos_emb`` for one tensor holding queries and keys
-    (its ``rotate_half`` written out: it reads ``x.shape`` twice, one more call per decode step)."""
-    half = x.shape[-1] // 2
-    return x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin.unsqueeze(1)
-
-
-#: the last :func:`rotation_matrix` as one tuple (weak references to the ``cos`` / ``sin`` it was built
-#: from, the matrix), replaced whole so that a reader never pairs one call's keys with another's matrix
-_LAST_ROTATION: list = [None]
-#: ``rotate_half`` as a signed permutation matrix, per (head_dim, dtype, device)
-_SIGNED_PERMUTATIONS: dict = {}
-
-
-def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` as a matrix ``R`` ``(B, L, hd, hd)``: ``x @ R`` for ``x`` ``(B, H, L, hd)``
-    rotates every head in one call. ``R = diag(cos) + P diag(sin)`` with ``P`` the signed
-    permutation of ``rotate_half`` (``P = rotate_half(I)``, made once). A decode step's layers
-    share one ``cos`` / ``sin`` pair (the model computes them once per forward), so the matrix
-    is built once per token, by the first converted layer, and found again by the others."""
-    last = _LAST_ROTATION[0]
-    if last is not None and last[0]() is cos and last[1]() is sin:
-        return last[2]
-    hd = cos.shape[-1]
-    key = (hd, cos.dtype, cos.device)
-    signed = _SIGNED_PERMUTATIONS.get(key)
-    if signed is None:
-        eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
-        signed = _SIGNED_PERMUTATIONS[key] = torch.cat((-eye[:, hd // 2 :], eye[:, : hd // 2]), dim=-1)
-    matrix = torch.diag_embed(cos).addcmul_(signed, sin.unsqueeze(-2))
-    _LAST_ROTATION[0] = (weakref.ref(cos), weakref.ref(sin), matrix)
-    return matrix
 
 
 def _chunk_token_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -178,6 +143,8 @@ class RecurFormerAttention(nn.Module):
         # a decode step splits the packed heads in two calls: rotated | v | mv, then q | mq | k | mk
         self._unrotated_split = [self.rotated_heads, counts["v"], counts["mv"]]
         self._rotated_split = [counts[name] for name in ("q", "mq", "k", "mk")]
+        # without kept heads, a mixer that rotates in its step takes the packed heads split once
+        self._packed_split = [*self._rotated_split, counts["v"], counts["mv"]]
         self.has_kept = bool(kept)
         self.qkv_proj = None
         self.o_proj = nn.Linear(layout.num_heads * hd, hidden, bias=o_bias)
@@ -198,6 +165,11 @@ class RecurFormerAttention(nn.Module):
             )
         else:
             self.mixer = operator.build(len(mixer_kv) * hd, len(replaced) * hd, layer_idx)
+        # the decode step of a layer whose heads are all replaced hands such a mixer its query and
+        # key unrotated, with the token's rotary cos / sin (WindowAttention.takes_rotation)
+        self._mixer_rotates = (
+            not kept and self.mixer_reads_qk and getattr(self.mixer, "takes_rotation", False) and getattr(self.mixer, "handles_dtype", False)
+        )
 
     # -- conversion -------------------------------------------------------------------------
     def _rows(self, tensor: torch.Tensor, heads: list[int]) -> torch.Tensor:
@@ -398,13 +370,16 @@ class RecurFormerAttention(nn.Module):
         counts[self.layer_idx] = None if seen is None or extra else seen + length
         return out
 
-    def _mixer_step(self, x, split: bool, cache) -> torch.Tensor:
+    def _mixer_step(self, x, split: bool, cache, rotation=None) -> torch.Tensor:
         """The mixer's one-token step on the state ``cache`` holds for this layer, told the host
-        count when it takes one (``takes_seen``); stores the new state and count."""
+        count when it takes one (``takes_seen``) and the token's rotary ``(cos, sin)`` when its
+        query and key come unrotated (``takes_rotation``); stores the new state and count."""
         store, counts = mixer_state_store(cache), mixer_counts(cache)
         state, seen = store[self.layer_idx], counts.get(self.layer_idx)
         step = self.mixer.step_qkv if split else self.mixer.step
-        if getattr(self.mixer, "takes_seen", False):
+        if rotation is not None:
+            out, *state = step(*x, *state, seen=seen, rotation=rotation)
+        elif getattr(self.mixer, "takes_seen", False):
             out, *state = step(*x, *state, seen=seen) if split else step(x, *state, seen=seen)
         else:
             out, *state = step(*x, *state) if split else step(x, *state)
@@ -427,8 +402,18 @@ class RecurFormerAttention(nn.Module):
         """One decode token through the layer with the fewest tensor ops: one GEMM, two splits of the
         packed heads around one rotary matrix product (:func:`rotation_matrix`), the kept heads'
         attention (SDPA directly when the model uses it and there is no mask or sliding window)
-        and the mixer's step; ``(B, 1, hidden)``. The same ops on every device."""
+        and the mixer's step; ``(B, 1, hidden)``. A layer without kept heads whose mixer rotates in
+        its step (``takes_rotation``) splits the packed heads once and hands it the unrotated query
+        and key with the token's cos / sin: on CPU the compiled step rotates them as it reads them
+        (in situ, where every small call runs from cold caches after the GEMMs, the rotation and the
+        second split cost about a third of such a layer's time outside its projections). The same
+        ops on every device."""
         heads = self.qkv_proj(hidden_states).view(-1, self.parts["mv"][1], 1, self.head_dim)  # (B, N, 1, hd): L = 1
+        if self._mixer_rotates:  # no kept heads: views of the packed heads, rotated in the mixer's step
+            _, mixer_q, _, mixer_k, _, mixer_v = heads.split(self._packed_split, dim=1)
+            if not advance_headless(cache, self.layer_idx):
+                self._record_headless(cache, hidden_states)
+            return self.o_proj(self._mixer_step((mixer_q, mixer_k, mixer_v), True, cache, rotation=position_embeddings))
         rotated, value, mixer_v = heads.split(self._unrotated_split, dim=1)
         if self.rotated_heads:  # every rotated head in one matrix product (rotation_matrix)
             query, mixer_q, key, mixer_k = (rotated @ rotation_matrix(*position_embeddings)).split(self._rotated_split, dim=1)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from rfkit.models.mixer import ReplacementMixer
 from rfkit.models.precision import compute_dtype
+from rfkit.models.rotary import rotation_matrix
 from rfkit.ops import cpu_kernels, flex_window
 
 # Queries per tile of the tiled prefill (the tile attends to TILE + window - 1 recent keys).
@@ -76,6 +77,13 @@ def compile_decode_steps(model: torch.nn.Module, **options) -> int:
     for mixer in mixers:
         mixer.compile_step(**options)
     return len(mixers)
+
+
+def _rotated(q: torch.Tensor, k: torch.Tensor, rotation) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token's query and key rotated by ``rotation`` (``(cos, sin)``) in one product, as the
+    converted layer's decode step rotates its heads (:func:`rfkit.models.rotary.rotation_matrix`)."""
+    matrix = rotation_matrix(*rotation)
+    return q @ matrix, k @ matrix
 
 
 def ring_ranks(seen: torch.Tensor, sink: int, window: int) -> torch.Tensor:
@@ -458,9 +466,15 @@ class WindowAttention(ReplacementMixer):
     #: the compiled steady step (:meth:`compile_step`), None: eager
     _compiled_steady = None
 
-    def step_qkv(self, q, k, v, *state, seen: int | None = None):
+    #: ``step_qkv`` takes ``rotation=``: the query and key unrotated with the token's rotary
+    #: ``(cos, sin)``, rotated by the step (inside the compiled C step, which then takes them as
+    #: views of the layer's packed projection: no rotation and no split of its own)
+    takes_rotation = True
+
+    def step_qkv(self, q, k, v, *state, seen: int | None = None, rotation=None):
         """As :meth:`step`, from the token's rotated query, key and value split by head
-        ``(B, H, 1, hd)``.
+        ``(B, H, 1, hd)``; or, with ``rotation`` (``(cos, sin)``, each ``(B, 1, hd)``), from its
+        unrotated query and key, rotated here as :func:`rfkit.models.rotary.rotation_matrix` does.
 
         ``seen`` is the number of real tokens every row has seen before this one, when the caller
         knows it (None: rows may differ, e.g. after a left-padded prompt). Past the first
@@ -470,12 +484,16 @@ class WindowAttention(ReplacementMixer):
         computed on the device (:meth:`_row_step`). On CPU in float32, and in bf16 with the window's
         K/V in bf16, the compiled C step runs (:meth:`_kernel_ready`)."""
         if not self.fast or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            if rotation is not None:
+                q, k = _rotated(q, k, rotation)
             general = lambda q, k, v, state, _, mask: self._general(q, k, v, state, mask, self.window, True)  # noqa: E731
             out, new = self._in_compute_dtype(general, q, k, v, state, True, None)  # keep autograd intact
             return (out, *new)
         plan = self._step_plan(q, state)
         if plan["kernel"]:
-            return (cpu_kernels.window_step_planned(plan, q, k, v), *state)
+            return (cpu_kernels.window_step_planned(plan, q, k, v, rotation), *state)
+        if rotation is not None:
+            q, k = _rotated(q, k, rotation)
         if seen is not None and seen >= self.sink + self.window:
             steady = self._compiled_steady or self._steady_step
             return (steady(q, k, v, state, self.sink + seen % self.window, plan["constants"]), *state)

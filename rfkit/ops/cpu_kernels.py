@@ -58,6 +58,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import weakref
+
 import torch
 
 log = logging.getLogger(__name__)
@@ -178,7 +180,7 @@ def _open(variant: list[str]):
     lib.rf_mamba_step_f32.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 5
     for step in (lib.rf_window_step_f32, lib.rf_window_step_bf16):
         step.restype = ctypes.c_int
-        step.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2
+        step.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
     lib.rf_f32_to_bf16.restype = None
     lib.rf_f32_to_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     prefill = [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 11 + [ctypes.c_float] * 2
@@ -450,26 +452,51 @@ def window_step_plan(block, state) -> dict:
     pointers += [_ptr(keep[4]), _ptr(keep[5]), _ptr(keep[6]), _ptr(keep[7]), _ptr(keep[8])] if hybrid else [None] * 5
     sizes = [keys.shape[0], block.num_heads, block.num_kv_heads, block.head_dim, block.sink, block.window]
     sizes += [block.feature_dim if hybrid else 0, block.scaling, block.sharpness if hybrid else 1.0]
-    return {
-        "keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes,
-        "out_shape": (keys.shape[0], 1, block.d_out), "dtype": keys.dtype, "entry": WINDOW_STEP_ENTRIES[keys.dtype],
-    }  # fmt: skip
-
-
-def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
-    hybrid subclass) with the state of ``plan`` (:func:`window_step_plan`): ``q`` (B, Hq, 1, hd),
-    ``k`` / ``v`` (B, Hkv, 1, hd) in the dtype of the state's K/V (float32 or bf16); the state is
-    updated in place. Returns (B, 1, Hq * hd) in that dtype."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"CPU window kernel unavailable: {_state['error'] or 'disabled'}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, 1, hd): laid out as (B, H, hd)
+    entry = WINDOW_STEP_ENTRIES[keys.dtype]
+    return {
+        "keep": keep, "pointers": pointers, "index": _ptr(keep[3]), "sizes": sizes,
+        "out_shape": (keys.shape[0], 1, block.d_out), "dtype": keys.dtype, "entry": entry, "call": getattr(lib, entry),
+    }  # fmt: skip
+
+
+#: the last token's rotary ``cos`` / ``sin`` as the step reads them: (weak references to the
+#: model's pair, rows, dtype, the pair's pointers); a token's layers share one pair, so the first
+#: converted layer prepares it and the others find it (replaced whole, never half-updated)
+_LAST_ROTARY: list = [None]
+
+
+def _rotary_pointers(rotation, rows: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Pointers to the token's rotary ``cos`` / ``sin`` (B or 1, 1, hd) contiguous, in ``dtype``, one
+    row per batch row (a model called without position ids shares one row between rows)."""
+    cos, sin = rotation
+    last = _LAST_ROTARY[0]
+    if last is not None and last[0]() is cos and last[1]() is sin and last[2] == rows and last[3] == dtype:
+        return last[5]
+    kept = tuple(t.to(dtype).expand(rows, -1, -1).contiguous() for t in (cos, sin))
+    pointers = (kept[0].data_ptr(), kept[1].data_ptr())
+    _LAST_ROTARY[0] = (weakref.ref(cos), weakref.ref(sin), rows, dtype, kept, pointers)
+    return pointers
+
+
+def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation=None) -> torch.Tensor:
+    """One decode token of a window mixer (:class:`rfkit.models.window.WindowAttention` or its
+    hybrid subclass) with the state of ``plan`` (:func:`window_step_plan`): ``q`` (B, Hq, 1, hd),
+    ``k`` / ``v`` (B, Hkv, 1, hd) in the dtype of the state's K/V (float32 or bf16); the state is
+    updated in place. With ``rotation``, the token's rotary ``(cos, sin)`` (B, 1, hd), ``q`` and ``k`` come
+    unrotated and the step rotates them (as :func:`rfkit.models.rotary.rotation_matrix` does,
+    rounded once). Returns (B, 1, Hq * hd) in that dtype. The plan holds the library's entry, so a
+    step reads no environment and takes no lock."""
+    # (B, H, 1, hd) laid out as (B, H, hd): views of the packed projection are, at batch 1
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(plan["out_shape"], dtype=plan["dtype"])
     keys, values, seen, S, z, fmap, weights, decay = plan["pointers"]
-    rc = getattr(lib, plan["entry"])(
+    cos, sin = (None, None) if rotation is None else _rotary_pointers(rotation, plan["out_shape"][0], plan["dtype"])
+    rc = plan["call"](
         q.data_ptr(), k.data_ptr(), v.data_ptr(), keys, values, seen, S, z, fmap, weights, decay, plan["index"],
-        out.data_ptr(), *plan["sizes"],
+        out.data_ptr(), *plan["sizes"], cos, sin,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"{plan['entry']} could not allocate its work buffer")

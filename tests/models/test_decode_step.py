@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_ids, tiny_model
+from helpers import decode_alike_on_two_backends, prefill_then_steps, random_ids, tiny_model
 from test_fast_paths import HD, KINDS, W, block, qkv
 
 import rfkit.models.window as window_module
@@ -15,6 +15,7 @@ from rfkit.models.hybrid_mamba import HybridMambaAttention
 from rfkit.models.modeling import to_recurformer
 from rfkit.models.operators import HybridOperator
 from rfkit.models.window import WindowAttention
+from rfkit.ops import cpu_kernels
 
 
 def any_block(kind: str, sink: int, kvq) -> WindowAttention:
@@ -242,8 +243,80 @@ def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel,
     assert first - others[0] <= 6  # the shared rotary matrix: diag_embed, unsqueeze, addcmul_, 3 attribute reads
 
 
+def without_kept_heads(layers=((0, 1, 2, 3), (2, 3)), dtype=torch.float32):
+    """A tiny Llama whose layer 0 has every head replaced (its decode step hands the mixer the
+    packed heads unrotated, with the token's cos / sin) and layer 1 ``layers[1]``; gates open."""
+    from rfkit.models.precision import keep_new_weights_float32
+
+    model = to_recurformer(tiny_model("llama", 4, 2), [list(h) for h in layers], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.mixer.gate.fill_(1.0)
+            layer.self_attn.mixer.feature_map.normal_(std=0.5)
+    model.to(dtype)
+    keep_new_weights_float32(model)
+    return model.eval()
+
+
+def rotating_steps(monkeypatch) -> list:
+    """Count the compiled steps that rotated the query and key themselves."""
+    rotated = []
+    compiled = cpu_kernels.window_step_planned
+    monkeypatch.setattr(
+        cpu_kernels, "window_step_planned", lambda plan, q, k, v, rotation=None: rotated.append(rotation is not None) or compiled(plan, q, k, v, rotation)
+    )
+    return rotated
+
+
+def test_a_layer_without_kept_heads_rotates_inside_the_c_step_as_the_pytorch_step_does(monkeypatch):
+    """Layer 0 keeps no head: the compiled step rotates its query and key from the packed heads,
+    the PyTorch step (every other device) through the rotary matrix. Cached steps give the full
+    forward's logits on both, rows with their own positions (left-padded ``generate``) and rows
+    sharing one (no position ids) alike, and greedy tokens agree; the kept-heads layer 1 rotates
+    as before."""
+    model = without_kept_heads()
+    rotated = rotating_steps(monkeypatch)
+    choose = lambda name: monkeypatch.setattr(WindowAttention, "use_kernel", name == "kernel")  # noqa: E731
+    decode_alike_on_two_backends(model, ("kernel", "pytorch"), choose, lambda: sum(rotated), length=20, prefix=7, new_tokens=8, tol=2e-5)
+    assert rotated.count(True) == rotated.count(False) > 0  # layer 0 rotated in C, layer 1 got rotated heads
+    monkeypatch.setattr(WindowAttention, "fast", False)  # the general rank-masked path rotates them too
+    full, steps, _ = prefill_then_steps(model, random_ids(2, 20, seed=4), prefix=7)
+    torch.testing.assert_close(steps, full, rtol=2e-5, atol=2e-5)
+
+
+def test_the_bf16_c_step_rotates_to_the_bits_of_the_rotary_matrix(monkeypatch):
+    """In a bf16 model the key the compiled step rotates and stores in the window is, bit for bit,
+    the bf16 key the PyTorch step stores after the rotary matrix's product (one rounding each),
+    and the logits agree within one bf16 rounding."""
+    model = without_kept_heads(dtype=torch.bfloat16)
+    rotated = rotating_steps(monkeypatch)
+    ids = random_ids(2, 20, seed=3)
+    runs = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(WindowAttention, "use_kernel", kernel)
+        _, steps, cache = prefill_then_steps(model, ids, prefix=7)
+        runs[kernel] = (steps, cache.rfkit_mixer_states[0])
+    assert any(rotated)
+    (steps_c, state_c), (steps_t, state_t) = runs[True], runs[False]
+    for mine, theirs in zip(state_c[:2], state_t[:2]):  # the window's keys and values
+        assert mine.dtype == torch.bfloat16
+        assert torch.equal(bf16_bits(mine), bf16_bits(theirs))
+    torch.testing.assert_close(steps_c.float(), steps_t.float(), rtol=2**-6, atol=2e-2)
+
+
+def test_a_layer_without_kept_heads_is_a_dozen_tensor_calls_per_step(monkeypatch):
+    """With the compiled step, a layer without kept heads is its two projections, one view, one
+    split of the packed heads and the step's own calls: at most 12 (14 before, when it rotated
+    its heads and split them twice). The token's first such layer also prepares the cos / sin
+    rows the others share."""
+    monkeypatch.setattr(WindowAttention, "use_kernel", True)
+    first, second = layer_step(without_kept_heads(((0, 1, 2, 3), (0, 1, 2, 3))), 24, 0, torch.device("cpu"))["torch_calls_per_layer"]
+    assert second <= 12
+    assert first - second <= 8  # to, expand, two contiguous and two data_ptr: once per token
+
+
 def test_the_rotary_matrix_rotates_as_rotate_does_and_is_built_once_per_token():
-    from rfkit.models.modeling import rotate, rotation_matrix
+    from rfkit.models.rotary import rotate, rotation_matrix
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 1, HD, generator=g, dtype=torch.float64)

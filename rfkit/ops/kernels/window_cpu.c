@@ -1,6 +1,7 @@
 /* The decode step of the window mixers (rfkit.models.window / rfkit.models.hybrid) on the CPU.
  *
- * One call does what WindowAttention.step_qkv does in about 35 small PyTorch ops: write the new
+ * One call does what WindowAttention.step_qkv does in about 35 small PyTorch ops: rotate the
+ * token's query and key when given them unrotated (a layer without kept heads), write the new
  * key and value into their slot of the sink + ring buffer, fold the key the token evicts from the
  * ring into the linear-attention state (hybrid), attend over the buffer, add the state's
  * contribution under the same normaliser, and count the token. The PyTorch step is its twin and
@@ -9,8 +10,14 @@
  * and out as bf16 words, the sums and the weights float32 (rfkit.models.precision). Both are one
  * body (window_step): bf16 is loaded exactly, every sum is float32, only the output is rounded.
  *
- *   q        : (batch, hq, hd)       rotated queries of the replaced heads (unscaled)
- *   k, v     : (batch, hkv, hd)      the new token's rotated key and value
+ *   q        : (batch, hq, hd)       queries of the replaced heads (unscaled), rotated unless cos
+ *                                    and sin are given
+ *   k, v     : (batch, hkv, hd)      the new token's key (rotated unless cos and sin are given)
+ *                                    and value
+ *   cos, sin : (batch, hd)           NULL, or the token's rotary cos / sin in the activations'
+ *                                    dtype: q and k are then rotated here as RoPE does (x cos +
+ *                                    rotate_half(x) sin), each result rounded to that dtype as a
+ *                                    rotated tensor would be
  *   keys     : (batch, hkv, ns, hd)  ns = sink + window: slots 0..sink-1 the first tokens, then a
  *   values                           ring, rank r >= sink in slot sink + r % window (in place)
  *   seen     : (batch,)              real tokens so far (in place: +1)
@@ -58,6 +65,19 @@ static inline const float *as_f32(const void *p, int64_t i, int64_t n, int bf16,
     return buf;
 }
 
+/* hd elements of p from element i rotated by one row's cos / sin (RoPE's rotate_half form: channel
+ * d < hd/2 pairs with d + hd/2 negated, the others with d - hd/2), as float32 in buf, each rounded
+ * to the activations' dtype first (bf16: what torch's rotated tensor holds). */
+static inline void rotate_into(const void *p, int64_t i, const void *cs, const void *sn, int64_t row, int64_t hd,
+                               int bf16, float *buf) {
+    const int64_t half = hd / 2;
+    for (int64_t d = 0; d < hd; ++d) {
+        const float other = d < half ? -ld(p, i + d + half, bf16) : ld(p, i + d - half, bf16);
+        const float r = ld(p, i + d, bf16) * ld(cs, row + d, bf16) + other * ld(sn, row + d, bf16);
+        buf[d] = bf16 ? bf16_to_f32(f32_to_bf16(r)) : r;
+    }
+}
+
 /* The decode step over activations and window K/V of one element type (module comment): q, k, v,
  * keys, values and out are float32 (bf16 = 0) or bf16 words (bf16 = 1); the new key and value are
  * copied into their slot as they are, every sum is float32 and the output is rounded once. */
@@ -65,13 +85,15 @@ static inline __attribute__((always_inline)) int window_step(
     const void *q, const void *k, const void *v, void *keys, void *values, int64_t *seen, float *S_state,
     float *z_state, const float *fmap, const float *g, const float *decay, const int64_t *kvq, void *out,
     int64_t batch, int64_t hq, int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling,
-    float sharpness, const int bf16) {
+    float sharpness, const void *cos, const void *sin, const int bf16) {
     const int64_t ns = sink + window, half = f / 2;
     const size_t esize = bf16 ? sizeof(rf_bf16) : sizeof(float);
-    /* scores, phi, then float32 copies of an evicted key and value, of a query and its output (bf16) */
-    float *work = (float *)malloc(sizeof(float) * (size_t)(ns + 2 * f + 2 + 4 * hd));
+    /* scores, phi, then float32 copies of an evicted key and value, of a query and its output (bf16),
+     * and of a rotated new key */
+    float *work = (float *)malloc(sizeof(float) * (size_t)(ns + 2 * f + 2 + 5 * hd));
     if (!work) return -1;
     float *p = work, *phi = work + ns, *kf = phi + 2 * f + 2, *vf = kf + hd, *qf = vf + hd, *yf = qf + hd;
+    float *kr = yf + hd;
     unsigned char valid[ns > 0 ? ns : 1];
     for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = seen[b];
@@ -100,7 +122,12 @@ static inline __attribute__((always_inline)) int window_step(
         const int64_t slot = n < sink ? n : ring;
         for (int64_t h = 0; h < hkv; ++h) {
             const int64_t to = kb + (h * ns + slot) * hd, from = (b * hkv + h) * hd;
-            memcpy((char *)keys + to * esize, (const char *)k + from * esize, esize * (size_t)hd);
+            if (cos) { /* rotated here: already rounded to the window's dtype, so stored exactly */
+                rotate_into(k, from, cos, sin, b * hd, hd, bf16, kr);
+                for (int64_t d = 0; d < hd; ++d) st(keys, to + d, kr[d], bf16);
+            } else {
+                memcpy((char *)keys + to * esize, (const char *)k + from * esize, esize * (size_t)hd);
+            }
             memcpy((char *)values + to * esize, (const char *)v + from * esize, esize * (size_t)hd);
         }
         /* slots visible to the new token (rank n): sink slots i <= n, ring ranks >= sink */
@@ -111,7 +138,11 @@ static inline __attribute__((always_inline)) int window_step(
         }
         for (int64_t h = 0; h < hq; ++h) {
             const int64_t kv = kvq[h], kk = kb + kv * ns * hd, oh = (b * hq + h) * hd;
-            const float *qh = as_f32(q, oh, hd, bf16, qf);
+            const float *qh = qf;
+            if (cos)
+                rotate_into(q, oh, cos, sin, b * hd, hd, bf16, qf);
+            else
+                qh = as_f32(q, oh, hd, bf16, qf);
             float m = -FLT_MAX; /* every query sees at least itself */
             for (int64_t t = 0; t < ns; ++t) {
                 if (!valid[t]) continue;
@@ -153,20 +184,21 @@ int rf_window_step_f32(const float *q, const float *k, const float *v, float *ke
                        int64_t *seen, float *S_state, float *z_state, const float *fmap,
                        const float *g, const float *decay, const int64_t *kvq, float *out, int64_t batch, int64_t hq,
                        int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f,
-                       float scaling, float sharpness) {
+                       float scaling, float sharpness, const float *cos, const float *sin) {
     return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
-                       sink, window, f, scaling, sharpness, 0);
+                       sink, window, f, scaling, sharpness, cos, sin, 0);
 }
 
 /* rf_window_step_f32 for bf16 activations beside a bf16 window (the precision policy of a bf16
- * model): q, k, v, keys, values and out are bf16 words, S_state, z_state and the weights float32. */
+ * model): q, k, v, keys, values, out, cos and sin are bf16 words, S_state, z_state and the weights
+ * float32. */
 int rf_window_step_bf16(const rf_bf16 *q, const rf_bf16 *k, const rf_bf16 *v, rf_bf16 *keys, rf_bf16 *values,
                         int64_t *seen, float *S_state, float *z_state, const float *fmap, const float *g,
                         const float *decay, const int64_t *kvq, rf_bf16 *out, int64_t batch, int64_t hq,
                         int64_t hkv, int64_t hd, int64_t sink, int64_t window, int64_t f, float scaling,
-                        float sharpness) {
+                        float sharpness, const rf_bf16 *cos, const rf_bf16 *sin) {
     return window_step(q, k, v, keys, values, seen, S_state, z_state, fmap, g, decay, kvq, out, batch, hq, hkv, hd,
-                       sink, window, f, scaling, sharpness, 1);
+                       sink, window, f, scaling, sharpness, cos, sin, 1);
 }
 
 /* float32 -> bf16 words as the kernels store them (the tests hold it to torch's cast). */
