@@ -291,3 +291,34 @@ def test_a_recipe_that_cannot_be_converted(tiny_recipe, tmp_path, capsys):
     code, stdout, err = run_cli(["bench", "cache", "--model", str(bad), "--json", str(out)], capsys)
     assert code == 2 and "model.base_model" in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_rotation_agreement_decodes_the_same_tokens_both_ways(converted_dir, tmp_path, monkeypatch):
+    """benchmarks/rotation_agreement.py: a model whose layer 0 keeps no head decodes with the
+    rotation inside the compiled step and with the rotary matrix, greedy tokens and logits alike
+    (and the layers are left rotating in the step); the command line writes its file for a saved
+    model (the tiny one keeps heads in every layer: nothing rotates in the step, nothing differs)."""
+    import sys
+
+    from helpers import load_script, random_ids, tiny_model
+
+    from rfkit.models.modeling import to_recurformer
+    from rfkit.operators import HybridOperator
+
+    script = load_script("benchmarks/rotation_agreement.py")
+    model = to_recurformer(tiny_model("llama"), [[0, 1, 2, 3], [2, 3]], HybridOperator(sink=2, window=6, feature_dim=4)).float().eval()
+    for layer in model.model.layers:
+        with torch.no_grad():
+            layer.self_attn.mixer.gate.fill_(1.0)
+    found = script.agreement(model, random_ids(2, 16, seed=9), 8)
+    assert found["layers_rotating_in_step"] == 1 and found["converted_layers"] == 2
+    assert found["tokens_identical"] and found["max_abs_logit_difference"] < 1e-5 < found["max_logit"]
+    assert model.model.layers[0].self_attn._mixer_rotates
+
+    out = tmp_path / "agreement.json"
+    argv = ["rotation_agreement.py", "--model", str(converted_dir), "--context", "40", "--tokens", "6", "--output", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main()
+    result = json.loads(out.read_text())
+    assert result["provenance"]["command"].startswith("python benchmarks/rotation_agreement.py --model ")
+    assert result["context"] == 40 and result["layers_rotating_in_step"] == 0 and result["tokens_identical"]
