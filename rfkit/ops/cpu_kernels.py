@@ -55,10 +55,9 @@ import platform
 import shutil
 import subprocess
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import weakref
 
 import torch
 
@@ -463,22 +462,24 @@ def window_step_plan(block, state) -> dict:
 
 
 #: the last token's rotary ``cos`` / ``sin`` as the step reads them: (weak references to the
-#: model's pair, rows, dtype, the pair's pointers); a token's layers share one pair, so the first
+#: model's pair, rows, dtype, the prepared tensors and their pointers); a token's layers share one pair, so the first
 #: converted layer prepares it and the others find it (replaced whole, never half-updated)
 _LAST_ROTARY: list = [None]
 
 
-def _rotary_pointers(rotation, rows: int, dtype: torch.dtype) -> tuple[int, int]:
-    """Pointers to the token's rotary ``cos`` / ``sin`` (B or 1, 1, hd) contiguous, in ``dtype``, one
-    row per batch row (a model called without position ids shares one row between rows)."""
+def _rotary_rows(rotation, rows: int, dtype: torch.dtype) -> tuple:
+    """The token's rotary ``cos`` / ``sin`` (B or 1, 1, hd) as the step reads them: contiguous, in
+    ``dtype``, one row per batch row (a model called without position ids shares one row between
+    rows). Returns ``(tensors, pointers)``: the caller holds the tensors while the step runs (the
+    cache may meanwhile be replaced by another thread's token)."""
     cos, sin = rotation
     last = _LAST_ROTARY[0]
     if last is not None and last[0]() is cos and last[1]() is sin and last[2] == rows and last[3] == dtype:
-        return last[5]
+        return last[4]
     kept = tuple(t.to(dtype).expand(rows, -1, -1).contiguous() for t in (cos, sin))
-    pointers = (kept[0].data_ptr(), kept[1].data_ptr())
-    _LAST_ROTARY[0] = (weakref.ref(cos), weakref.ref(sin), rows, dtype, kept, pointers)
-    return pointers
+    prepared = (kept, (kept[0].data_ptr(), kept[1].data_ptr()))
+    _LAST_ROTARY[0] = (weakref.ref(cos), weakref.ref(sin), rows, dtype, prepared)
+    return prepared
 
 
 def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation=None) -> torch.Tensor:
@@ -493,7 +494,8 @@ def window_step_planned(plan: dict, q: torch.Tensor, k: torch.Tensor, v: torch.T
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(plan["out_shape"], dtype=plan["dtype"])
     keys, values, seen, S, z, fmap, weights, decay = plan["pointers"]
-    cos, sin = (None, None) if rotation is None else _rotary_pointers(rotation, plan["out_shape"][0], plan["dtype"])
+    rotary = None if rotation is None else _rotary_rows(rotation, plan["out_shape"][0], plan["dtype"])  # held while the step runs
+    cos, sin = (None, None) if rotary is None else rotary[1]
     rc = plan["call"](
         q.data_ptr(), k.data_ptr(), v.data_ptr(), keys, values, seen, S, z, fmap, weights, decay, plan["index"],
         out.data_ptr(), *plan["sizes"], cos, sin,
