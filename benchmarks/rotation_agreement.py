@@ -73,16 +73,15 @@ def main() -> None:
     parser.add_argument("--output", required=True, help="JSON file to write")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
     from rfkit.atomic import atomic_write_json
+    from rfkit.config.loading import ModelSpec
     from rfkit.data.sources import load_documents
-    from rfkit.experiments.bench import load_pair
     from rfkit.provenance import stamp
 
     started = time.time()
-    model = load_pair(args.model, torch.device("cpu")).converted
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    spec = ModelSpec(args.model, require_converted=True)
+    model = spec.converted("cpu").eval()  # the converted model only: the original is not compared
+    tokenizer = spec.tokenizer()
     texts = []
     for doc in load_documents():  # enough documents for the prompt (a token is under 8 characters)
         texts.append(doc.text)

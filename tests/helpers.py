@@ -193,13 +193,14 @@ def prefill_then_steps(model, ids, prefix: int = 7):
     return full, torch.cat(steps, 1), cache
 
 
-def converted_tiny(operator, dtype=torch.float64):
-    """A tiny Llama with heads [0, 1] of layer 0 and [2, 3] of layer 1 replaced by ``operator``, in
-    ``dtype``, eval mode, every hybrid gate at 0.8 (open, so the state counts)."""
+def converted_tiny(operator, dtype=torch.float64, layers=((0, 1), (2, 3))):
+    """A tiny Llama with heads ``layers`` (by default [0, 1] of layer 0 and [2, 3] of layer 1)
+    replaced by ``operator``, in ``dtype``, eval mode, every hybrid gate at 0.8 (open, so the
+    state counts)."""
     from rfkit.models.hybrid import HybridWindowAttention
     from rfkit.models.modeling import to_recurformer
 
-    model = to_recurformer(tiny_model("llama"), [[0, 1], [2, 3]], operator).to(dtype).eval()
+    model = to_recurformer(tiny_model("llama"), [list(h) for h in layers], operator).to(dtype).eval()
     for m in model.modules():
         if isinstance(m, HybridWindowAttention):
             with torch.no_grad():

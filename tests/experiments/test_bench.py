@@ -300,16 +300,12 @@ def test_rotation_agreement_decodes_the_same_tokens_both_ways(converted_dir, tmp
     model (the tiny one keeps heads in every layer: nothing rotates in the step, nothing differs)."""
     import sys
 
-    from helpers import load_script, random_ids, tiny_model
+    from helpers import converted_tiny, load_script, random_ids
 
-    from rfkit.models.modeling import to_recurformer
     from rfkit.operators import HybridOperator
 
     script = load_script("benchmarks/rotation_agreement.py")
-    model = to_recurformer(tiny_model("llama"), [[0, 1, 2, 3], [2, 3]], HybridOperator(sink=2, window=6, feature_dim=4)).float().eval()
-    for layer in model.model.layers:
-        with torch.no_grad():
-            layer.self_attn.mixer.gate.fill_(1.0)
+    model = converted_tiny(HybridOperator(sink=2, window=6, feature_dim=4), torch.float32, layers=((0, 1, 2, 3), (2, 3)))
     found = script.agreement(model, random_ids(2, 16, seed=9), 8)
     assert found["layers_rotating_in_step"] == 1 and found["converted_layers"] == 2
     assert found["tokens_identical"] and found["max_abs_logit_difference"] < 1e-5 < found["max_logit"]

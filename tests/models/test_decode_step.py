@@ -164,13 +164,25 @@ def test_the_kernels_round_float32_to_bf16_as_torch_does():
     assert torch.equal(cpu_kernels.to_bf16(x).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
-def converted_hybrid():
+#: layer 0 keeps no head (its decode step hands the mixer the packed heads unrotated, with the
+#: token's cos / sin), layer 1 keeps two
+NO_KEPT_FIRST = ((0, 1, 2, 3), (2, 3))
+
+
+def converted_hybrid(layers=((0, 1), (2, 3)), dtype=torch.float32):
+    """A tiny Llama with the heads ``layers`` replaced by the hybrid, gates open and feature maps
+    drawn; in ``dtype``, its new weights float32 (a bf16 model's precision policy)."""
+    from rfkit.models.precision import keep_new_weights_float32
+
     model = tiny_model("llama", 4, 2)
-    model = to_recurformer(model, [[0, 1], [2, 3]], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
+    model = to_recurformer(model, [list(h) for h in layers], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.mixer.gate.fill_(1.0)
             layer.self_attn.mixer.feature_map.normal_(std=0.5)
+    if dtype != torch.float32:
+        model.to(dtype)
+        keep_new_weights_float32(model)
     return model.eval()
 
 
@@ -229,33 +241,13 @@ def test_one_converted_layers_step_is_a_fixed_short_list_of_tensor_calls(kernel,
     for a bf16 model (bf16 base, float32 mixers) too. The token's first converted layer also builds
     the rotary matrix that all of them share: a few calls once per token, not per layer (HF's own
     cos / sin, once per token too, are not counted)."""
-    from rfkit.models.precision import keep_new_weights_float32
-
     monkeypatch.setattr(WindowAttention, "use_kernel", kernel)
-    model = converted_hybrid()
-    if dtype != torch.float32:
-        model.to(dtype)
-        keep_new_weights_float32(model)
+    model = converted_hybrid(dtype=dtype)
     counts = {context: layer_step(model, context, 0, torch.device("cpu"))["torch_calls_per_layer"] for context in (24, 40)}
     assert counts[24] == counts[40]  # the same ops at every step and length
     first, *others = counts[24]
     assert others and all(n <= (24 if kernel else 40) for n in others)
     assert first - others[0] <= 6  # the shared rotary matrix: diag_embed, unsqueeze, addcmul_, 3 attribute reads
-
-
-def without_kept_heads(layers=((0, 1, 2, 3), (2, 3)), dtype=torch.float32):
-    """A tiny Llama whose layer 0 has every head replaced (its decode step hands the mixer the
-    packed heads unrotated, with the token's cos / sin) and layer 1 ``layers[1]``; gates open."""
-    from rfkit.models.precision import keep_new_weights_float32
-
-    model = to_recurformer(tiny_model("llama", 4, 2), [list(h) for h in layers], HybridOperator(sink=2, window=6, feature_dim=4, decay_horizon=8.0))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.mixer.gate.fill_(1.0)
-            layer.self_attn.mixer.feature_map.normal_(std=0.5)
-    model.to(dtype)
-    keep_new_weights_float32(model)
-    return model.eval()
 
 
 def rotating_steps(monkeypatch) -> list:
@@ -274,7 +266,7 @@ def test_a_layer_without_kept_heads_rotates_inside_the_c_step_as_the_pytorch_ste
     forward's logits on both, rows with their own positions (left-padded ``generate``) and rows
     sharing one (no position ids) alike, and greedy tokens agree; the kept-heads layer 1 rotates
     as before."""
-    model = without_kept_heads()
+    model = converted_hybrid(NO_KEPT_FIRST)
     rotated = rotating_steps(monkeypatch)
     choose = lambda name: monkeypatch.setattr(WindowAttention, "use_kernel", name == "kernel")  # noqa: E731
     decode_alike_on_two_backends(model, ("kernel", "pytorch"), choose, lambda: sum(rotated), length=20, prefix=7, new_tokens=8, tol=2e-5)
@@ -288,7 +280,7 @@ def test_the_bf16_c_step_rotates_to_the_bits_of_the_rotary_matrix(monkeypatch):
     """In a bf16 model the key the compiled step rotates and stores in the window is, bit for bit,
     the bf16 key the PyTorch step stores after the rotary matrix's product (one rounding each),
     and the logits agree within one bf16 rounding."""
-    model = without_kept_heads(dtype=torch.bfloat16)
+    model = converted_hybrid(NO_KEPT_FIRST, torch.bfloat16)
     rotated = rotating_steps(monkeypatch)
     ids = random_ids(2, 20, seed=3)
     runs = {}
@@ -310,7 +302,7 @@ def test_a_layer_without_kept_heads_is_a_dozen_tensor_calls_per_step(monkeypatch
     its heads and split them twice). The token's first such layer also prepares the cos / sin
     rows the others share."""
     monkeypatch.setattr(WindowAttention, "use_kernel", True)
-    first, second = layer_step(without_kept_heads(((0, 1, 2, 3), (0, 1, 2, 3))), 24, 0, torch.device("cpu"))["torch_calls_per_layer"]
+    first, second = layer_step(converted_hybrid(((0, 1, 2, 3), (0, 1, 2, 3))), 24, 0, torch.device("cpu"))["torch_calls_per_layer"]
     assert second <= 12
     assert first - second <= 8  # to, expand, two contiguous and two data_ptr: once per token
 
