@@ -1,6 +1,6 @@
-"""What the tests share: tiny random models (2 layers, width 64), the in-process CLI runner, the
-overrides that run a SmolLM2 recipe on them, packing Q/K/V as a mixer's input, and a window
-mixer's training step through its two paths.
+"""What the tests share: tiny random models (2 layers, width 64), the in-process CLI runner, forked
+children where a test needs a process of its own, the overrides that run a SmolLM2 recipe on
+them, packing Q/K/V as a mixer's input, and a window mixer's training step through its two paths.
 
 Imported by name (``from helpers import run_cli``): pytest puts tests/ on sys.path (rootdir
 conftest, prepend import mode). Fixtures live in conftest.py.
@@ -8,6 +8,8 @@ conftest, prepend import mode). Fixtures live in conftest.py.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,56 @@ def run_in_process(args, cache) -> None:
             main(list(args))
         except SystemExit as exit:
             assert exit.code in (0, None), f"rfkit {args[0]} exited with {exit.code}"
+
+
+def forked(fn, *args, env: dict | None = None, stdout: Path | None = None, stderr: Path | None = None):
+    """``fn(*args)`` in a forked child of this process, started: a process of its own (a test can
+    ``kill -9`` it, and nothing it imports reaches this one) without the interpreter start of a
+    fresh one (torch, transformers and Lightning take 10-12 s to import on the 2-core CI machine;
+    the child has them already). ``env`` is set in the child only. With ``stdout`` the child
+    writes its output there (and its errors to ``stderr``, default the same file), its logging
+    set up afresh as in a new process. Returns the ``multiprocessing.Process``: ``.pid``,
+    ``.join()``, ``.exitcode`` (``-9`` after a kill, the code of a ``SystemExit``, 1 after an
+    exception). Not for what needs a fresh interpreter: the real console script, an environment
+    read at import, and Lightning's DDP launch (it runs ``sys.argv`` again)."""
+    import multiprocessing
+
+    streams = (stdout, stderr or stdout)
+    context = multiprocessing.get_context("fork")
+    proc = context.Process(target=_run_forked, args=(fn, args, env or {}, streams), daemon=True)
+    proc.start()
+    return proc
+
+
+def _run_forked(fn, args, env, streams) -> None:
+    import logging
+
+    os.environ.update(env)
+    if streams[0] is not None:
+        out = open(streams[0], "a", buffering=1)  # noqa: SIM115  (the child's streams until it exits)
+        err = out if streams[1] == streams[0] else open(streams[1], "a", buffering=1)  # noqa: SIM115
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = out, err
+        logging.getLogger().handlers.clear()  # pytest's capture handlers: rfkit sets up its own, on these streams
+    fn(*args)
+
+
+def forked_run(fn, *args, env: dict | None = None, timeout: float = 300):
+    """``fn(*args)`` in a forked child (:func:`forked`), waited for: ``CompletedProcess`` with the
+    child's exit code and what it wrote to stdout and stderr."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = Path(logs, "stdout"), Path(logs, "stderr")
+        proc = forked(fn, *args, env=env, stdout=out, stderr=err)
+        proc.join(timeout)
+        name = getattr(fn, "__name__", str(fn))
+        if proc.is_alive():
+            proc.kill()
+            pytest.fail(f"{name} did not finish within {timeout} s:\n{err.read_text()[-3000:]}")
+        return subprocess.CompletedProcess(name, proc.exitcode, out.read_text(), err.read_text())
 
 
 def tiny_args(model_dir, corpus, root, recipe=SMOLLM):

@@ -1,9 +1,10 @@
 """The example plugin package (examples/plugin), installed for real and used through the CLI.
 
 The packages are installed offline into temporary directories (``pip install --target``) and
-every check that imports them runs in a subprocess with that directory on ``PYTHONPATH``: its
-``.dist-info`` is what makes the ``rfkit.plugins`` entry point visible, and nothing the plugins
-define leaks into this test process.
+every check that imports them runs in a process of its own with that directory first on its
+path, as ``PYTHONPATH`` would put it: its ``.dist-info`` is what makes the ``rfkit.plugins``
+entry point visible, and nothing the plugins define leaks into this test process. The processes
+are forked from this one (``helpers.forked_run``: no 10 s interpreter start each).
 """
 
 import json
@@ -16,12 +17,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import forked_run
+
+from rfkit.cli import main
 
 pytestmark = pytest.mark.slow  # every test here installs the plugin with pip first
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
-RFKIT = Path(sys.executable).with_name("rfkit")
 
 # The docs page whose "Write your own policy" section shows a complete policy. The tests run
 # that code as it stands on the page (read from it, not copied here), so the page cannot drift.
@@ -40,9 +43,23 @@ def docs_policy() -> str:
     return code.split("\n```", 1)[0] + "\n"
 
 
-def _env(*sites: Path, cache: Path) -> dict:
-    path = os.pathsep.join([*map(str, sites), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return dict(os.environ, PYTHONPATH=path, RFKIT_CACHE=str(cache), HF_HUB_OFFLINE="1", RFKIT_LOG="WARNING")
+def with_plugins(fn, *args, sites: list[Path], cwd: Path, cache: Path) -> subprocess.CompletedProcess:
+    """``fn(*args)`` in a process of its own, in ``cwd``, with the installed ``sites`` first on
+    its path; its exit code, stdout and stderr."""
+
+    def child():
+        os.chdir(cwd)
+        sys.path[:0] = [str(site) for site in sites]
+        fn(*args)
+
+    return forked_run(child, env={"RFKIT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "RFKIT_LOG": "WARNING"})
+
+
+def run_script(code: str, *argv: str) -> None:
+    """``python -c CODE ARGV...`` in this (forked) process."""
+    sys.argv = ["-c", *argv]
+    sys.modules.pop("my_policies", None)  # the script writes and imports its own
+    exec(compile(code, "<checks>", "exec"), {"__name__": "__main__"})
 
 
 def pip_install(src: Path, target: Path) -> Path:
@@ -112,7 +129,7 @@ def tiny_recipe(model_dir, corpus, root: Path) -> Path:
     return path
 
 
-# Run in the checks' process after MIXER_CHECKS (one interpreter start for both), on the folder
+# Run in the checks' process after MIXER_CHECKS (one process for both), on the folder
 # `rfkit convert` wrote: sys.argv[2], empty when the conversion failed
 RELOAD = """
 import rfkit  # registers the converted model types
@@ -153,8 +170,8 @@ def converted(plugin_site, tiny_model_dir, tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("plugin-convert")
     recipe = tiny_recipe(tiny_model_dir, tiny_corpus, root)
     out = root / "converted"
-    proc = subprocess.run([str(RFKIT), "convert", "--config", str(recipe), "--output", str(out)], capture_output=True,
-                          text=True, cwd=root, env=_env(plugin_site, cache=root / "cache"), timeout=300)  # fmt: skip
+    args = ["convert", "--config", str(recipe), "--output", str(out)]
+    proc = with_plugins(main, args, sites=[plugin_site], cwd=root, cache=root / "cache")
     return proc, out
 
 
@@ -284,10 +301,16 @@ def mixer_checks(plugin_site, converted, tiny_model_dir, tiny_corpus, tmp_path_f
     convert, out = converted
     folder = str(out) if convert.returncode == 0 else ""
     code = f"DOCS_POLICY = {docs_policy()!r}\n{MIXER_CHECKS}{RELOAD}"
-    proc = subprocess.run([sys.executable, "-c", code, str(recipe), folder], capture_output=True, text=True, cwd=cwd,
-                          env=_env(plugin_site, cache=cwd / "cache"), timeout=300)  # fmt: skip
+    proc = with_plugins(run_script, code, str(recipe), folder, sites=[plugin_site], cwd=cwd, cache=cwd / "cache")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_nothing_the_plugins_define_reaches_this_process(converted, mixer_checks):
+    """The checks ran in processes of their own: the plugin's modules, imported there, are not
+    here (a test process that had them would pass without the installed entry point)."""
+    assert mixer_checks["reload"]["mixer_type"] == ["rfkit_entropy_plugin.EMAMixer"]  # imported in the child
+    assert not {"rfkit_entropy_plugin", "my_policies"} & set(sys.modules)
 
 
 def test_ema_mixer_step_decoding_equals_one_full_forward(mixer_checks):
@@ -343,8 +366,8 @@ def test_a_plugin_that_fails_to_import_stops_the_cli_with_one_line(
     plugin_site, broken_site, tiny_model_dir, tiny_corpus, tmp_path
 ):
     recipe = tiny_recipe(tiny_model_dir, tiny_corpus, tmp_path)
-    proc = subprocess.run([str(RFKIT), "fit", "--config", str(recipe)], capture_output=True, text=True, cwd=tmp_path,
-                          env=_env(plugin_site, broken_site, cache=tmp_path / "cache"), timeout=300)  # fmt: skip
+    args = ["fit", "--config", str(recipe)]
+    proc = with_plugins(main, args, sites=[plugin_site, broken_site], cwd=tmp_path, cache=tmp_path / "cache")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [

@@ -1,7 +1,7 @@
 """Bad input: one line on stderr naming the field, exit code 2, no traceback, nothing written.
 
 Every case runs ``rfkit`` in process on the tiny model and corpus (``load_base_model`` raises,
-so a case that loads a model before refusing fails); two run the real console script. The
+so a case that loads a model before refusing fails); one runs the real console script. The
 full-disk case is the one that fails mid-run (a write of ``rfkit convert``), so it is allowed
 the run's own output before its single error line, and must leave no partial directory.
 """
@@ -331,38 +331,32 @@ def test_the_disk_full_error_is_still_an_oserror(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_console_script(tiny_model_dir, tiny_corpus, tmp_path):
-    """The installed ``rfkit`` script, two processes side by side: an interrupted hub download
-    (offline, its cache given by HF_HOME, read when the process starts) behind `rfkit fit`, and a
-    missing model behind `rfkit bench` (its own parser, then the recipe's). Each prints exactly
-    one line and exits 2; nothing is written. Wrong types and values out of range take the same
-    path in process (CASES above, tests/cli/test_cli.py), where they cost no interpreter start."""
+    """The installed ``rfkit`` script behind an interrupted hub download (offline, its cache given
+    by HF_HOME, which huggingface_hub reads when the process starts): exactly one line, exit 2,
+    nothing written. Every other refusal takes the same path in process (CASES above,
+    tests/cli/test_cli.py), where it costs no interpreter start (10 s on the CI machine)."""
     exe = Path(sys.executable).with_name("rfkit")
     fake_hub_cache(tmp_path / "hf" / "hub", tiny_model_dir, "someorg/tiny-llama", weights="incomplete")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     runs = tmp_path / "runs"
-    base = tiny_args(tiny_model_dir, tiny_corpus, runs)
-    recipe = tmp_path / "missing_model.yaml"  # a recipe read by `rfkit bench` (its own parser, then the recipe's)
-    recipe.write_text(Path(SMOLLM).read_text().replace("embedded:smollm2-135m-instruct", str(tmp_path / "no-model")))
-    calls = {
-        "download": ["fit", *base, "--model.base_model", "someorg/tiny-llama"],
-        "bench": ["bench", "cache", "--model", str(recipe), "--json", str(tmp_path / "bench.json")],
-    }
     before = listing(tmp_path)
-    procs = {
-        name: subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path, env=env)  # fmt: skip
-        for name, args in calls.items()
-    }
-    results = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
-    for name, proc in procs.items():
-        out, err = results[name]
-        words = {
-            "download": ["model.base_model: the download of 'someorg/tiny-llama' is incomplete", "rerun online"],
-            "bench": ["model.base_model: path", "does not exist"],
-        }[name]
-        assert_one_line(proc.returncode, out, err, *words, prefix="rfkit bench: error: " if name == "bench" else "rfkit: error: ")
+    args = ["fit", *tiny_args(tiny_model_dir, tiny_corpus, runs), "--model.base_model", "someorg/tiny-llama"]
+    done = subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    words = ["model.base_model: the download of 'someorg/tiny-llama' is incomplete", "rerun online"]
+    assert_one_line(done.returncode, done.stdout, done.stderr, *words)
     assert not runs.exists() and listing(tmp_path) == before
+
+
+def test_bench_with_a_recipe_whose_model_is_missing(tmp_path, capsys, no_loading):
+    """`rfkit bench` reads its own arguments, then the recipe's: a recipe naming a model path that
+    does not exist is refused in the recipe's field, under bench's own prefix."""
+    recipe = tmp_path / "missing_model.yaml"
+    recipe.write_text(Path(SMOLLM).read_text().replace("embedded:smollm2-135m-instruct", str(tmp_path / "no-model")))
+    before = listing(tmp_path)
+    code, out, err = run_cli(["bench", "cache", "--model", str(recipe), "--json", str(tmp_path / "bench.json")], capsys)
+    assert_one_line(code, out, err, "model.base_model: path", "does not exist", prefix="rfkit bench: error: ")
+    assert listing(tmp_path) == before
 
 
 def test_sweep_sets_the_opt_in_for_its_beta_1_rows_and_warns_once(caplog):

@@ -127,7 +127,10 @@ def cached_files(cache: str) -> list[str]:
 
 
 def run_ranks(fn, world: int, *args) -> None:
-    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    """``fn(rank, world, port, *args)`` on ``world`` ranks, forked from this process: they start
+    with its imports (a spawned rank spends 10 s importing torch and transformers on the 2-core
+    CI machine). Each rank sets its own threads, environment and process group."""
+    context = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="fork")
     deadline = time.monotonic() + WORKER_TIMEOUT
     try:
         while not context.join(timeout=1):  # raises with the worker's traceback if one failed

@@ -1,8 +1,9 @@
 """Faults during `rfkit fit`: kill -9 and resume, NaN stops, atomic checkpoints, determinism.
 
-The runs are real: the tiny Llama and corpus of conftest.py through the SmolLM2 recipe, as a
-subprocess where a process has to die. ``fault_callbacks.py`` records losses or injects the
-fault at a chosen optimizer step.
+The runs are real: the tiny Llama and corpus of conftest.py through the SmolLM2 recipe, in a
+forked child of the test process where a process has to die (``helpers.forked``: the same code
+as a fresh ``rfkit`` process, without its 10 s of imports). ``fault_callbacks.py`` records
+losses or injects the fault at a chosen optimizer step.
 """
 
 from __future__ import annotations
@@ -10,19 +11,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MAMBA, run_cli, run_in_process, tiny_args
+from helpers import MAMBA, forked, run_cli, run_in_process, tiny_args
+
+from rfkit.cli import main
 
 from rfkit.training.checkpointing import AtomicCheckpointIO, read_meta
 
-TESTS = Path(__file__).resolve().parents[1]  # fault_callbacks.py
-ROOT = TESTS.parent
 STEPS, EVERY, KILL_AT = 8, 2, 5  # checkpoints after steps 2, 4, 6; the kill comes after step 5
 # A resumed run replays the same batches on the same weights and optimizer state, so on one
 # machine its losses and final perplexity equal the uninterrupted run's; the tolerance allows
@@ -56,17 +55,6 @@ def losses(path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, Path(path).read_text().splitlines())}
 
 
-def env(cache) -> dict:
-    return {**os.environ, "RFKIT_CACHE": str(cache), "PYTHONPATH": str(TESTS), "RFKIT_LOG": "INFO"}
-
-
-def rfkit(args, cache, **kwargs):
-    return subprocess.Popen(
-        [sys.executable, "-m", "rfkit.cli", *args], cwd=ROOT, env=env(cache), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs,
-    )  # fmt: skip
-
-
 def summary(root) -> dict:
     return json.loads(next(Path(root).rglob("summary.json")).read_text())
 
@@ -83,15 +71,18 @@ def uninterrupted(tiny_model_dir, tiny_corpus, tmp_path_factory):
 def test_kill_9_mid_training_then_ckpt_path_last_resumes_to_the_same_result(uninterrupted, tiny_model_dir, tiny_corpus, tmp_path, caplog):
     root, marker, lost = tmp_path / "run", tmp_path / "hung", tmp_path / "losses.jsonl"
     hang = ["--trainer.callbacks+=fault_callbacks.HangAt", "--trainer.callbacks.step", str(KILL_AT), "--trainer.callbacks.marker", str(marker)]
-    proc = rfkit(fit_args(tiny_model_dir, tiny_corpus, root, *record(lost), *hang), uninterrupted["cache"])
+    log = tmp_path / "killed.log"
+    env = {"RFKIT_CACHE": str(uninterrupted["cache"]), "RFKIT_LOG": "INFO"}
+    args = fit_args(tiny_model_dir, tiny_corpus, root, *record(lost), *hang)
+    proc = forked(main, args, env=env, stdout=log)
     deadline = time.time() + 240
     while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.is_alive(), log.read_text()[-3000:]
         assert time.time() < deadline, "the run never reached the kill step"
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)  # kill -9: no handler, no cleanup
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
 
     # after the crash: the last checkpoint is whole, nothing else was half written
     ckpts = root / "checkpoints"
@@ -226,27 +217,27 @@ def test_resume_refuses_a_checkpoint_of_another_operator(uninterrupted, tiny_mod
     assert not root.exists()  # refused before anything was written
 
 
-KILLED_WRITER = """
-import sys, time
-from pathlib import Path
-from rfkit.atomic import atomic_directory
-with atomic_directory(sys.argv[1]) as tmp:
-    (tmp / "model.safetensors").write_bytes(b"half a model")
-    Path(sys.argv[2]).write_text("writing")
-    time.sleep(600)
-"""
+def killed_writer(target: Path, marker: Path) -> None:
+    """Half of a model written into an atomic directory, then a hang (the test kills it)."""
+    from rfkit.atomic import atomic_directory
+
+    with atomic_directory(target) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"half a model")
+        marker.write_text("writing")
+        time.sleep(600)
 
 
 @pytest.mark.slow
 def test_a_writer_killed_mid_directory_leaves_no_target_and_the_next_write_clears_its_leftovers(tmp_path):
     target, marker = tmp_path / "model", tmp_path / "writing"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(target), str(marker)])
+    proc = forked(killed_writer, target, marker)
     deadline = time.time() + 60
     while not marker.exists():
-        assert proc.poll() is None and time.time() < deadline
+        assert proc.is_alive() and time.time() < deadline
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.join(timeout=30)
+    assert proc.exitcode == -signal.SIGKILL
     assert not target.exists()  # never a half-written model directory
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".model.tmp-")]
     assert len(leftovers) == 1 and f"-{proc.pid}-" in leftovers[0]  # hidden, and named after its writer
