@@ -30,6 +30,7 @@ def tiny_recipe(tiny_model_dir, tiny_corpus, tmp_path_factory):
     config["data"].update(
         source=str(tiny_corpus), seq_len=32, batch_size=2, calibration_samples=4, val_blocks=4, split=[0.1, 0.1]
     )
+    config["model"]["transfer"].update(steps=5, long_source=str(tiny_corpus), long_seq_len=64, long_samples=2)
     path = tmp_path_factory.mktemp("recipe") / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -116,6 +116,9 @@ def test_sweep_compares_policies_and_operators_at_matched_cache(tiny_model_dir, 
         "--policies", "recipe,random(seed=1),layerwise,streamed_loss(blocks=2)",
         "--operators", f"mamba,{sink_recent},sliding_window(window=64)",
         "--transfer", "--model.transfer.steps", "2", "--model.transfer.samples", "4",
+        # the recipe's long blocks at the tiny model's scale, as tiny_args has them
+        "--model.transfer.long_source", str(tiny_corpus), "--model.transfer.long_seq_len", "64",
+        "--model.transfer.long_samples", "2",
     ]  # fmt: skip
     code, out, err = run_cli([*args, *sweep_overrides(tiny_model_dir, tiny_corpus)], capsys)
     assert code == 0, err
