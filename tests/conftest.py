@@ -186,22 +186,3 @@ def data_cache(tmp_path_factory):
     mp.setattr(data, "data_cache_dir", lambda: root)
     yield root
     mp.undo()
-
-
-@pytest.fixture(scope="session")
-def modules_after_import_rfkit() -> set[str]:
-    """The modules (dotted names) a fresh interpreter holds after importing rfkit, its CLI, its
-    lm-eval adapter and the hybrid mixer (without running a command): one subprocess for every
-    test that asks what ``import rfkit`` pulls in. Triton is made unimportable first: where it is
-    installed torch imports it itself (``torch._dynamo`` asks whether it is there), so only
-    blocked does its absence say anything of rfkit, and an import of it by rfkit fails the probe."""
-    import subprocess
-    import sys
-
-    probe = (
-        "import sys; sys.modules['triton'] = None\n"
-        "import rfkit, rfkit.cli, rfkit.evals.tasks, rfkit.evals.lm_eval, rfkit.models.hybrid\n"
-        "print(' '.join(sorted(name for name, module in sys.modules.items() if module is not None)))"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
-    return set(out.stdout.split())

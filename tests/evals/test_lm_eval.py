@@ -63,12 +63,6 @@ def test_missing_lm_eval_is_one_line_with_the_install_hint(tiny_model_dir, monke
     assert err.strip().splitlines() == [f"rfkit eval: error: {INSTALL}"]
 
 
-@pytest.mark.slow
-def test_importing_rfkit_never_imports_lm_eval(modules_after_import_rfkit):
-    assert "rfkit" in modules_after_import_rfkit  # the probe imported rfkit, its CLI and the adapter
-    assert "lm_eval" not in modules_after_import_rfkit
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
