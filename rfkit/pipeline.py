@@ -256,11 +256,16 @@ def load_for(module, datamodule=None, device=None):
     return model
 
 
-def prepare(module, datamodule=None, callbacks=(), device=None) -> None:
+def prepare(module, datamodule=None, callbacks=(), device=None, improve_model: bool = True) -> None:
     """``module.model`` converted and ready to train (``rfkit fit``, ``rfkit convert``): load,
     profile, select, measure the original model, convert, improve, then the callbacks'
     ``on_after_convert``; each step a phase with its own line. Sets ``module.model``,
-    ``module.head_map`` and the conversion's entries of ``module.run_metrics``."""
+    ``module.head_map`` and the conversion's entries of ``module.run_metrics``.
+
+    ``improve_model=False``: the architecture a fit saves and nothing else (``rfkit bench`` on a
+    recipe, where weights change neither cache size nor speed): no init from attention, no
+    attention transfer, no LoRA adapters (a saved fit has them merged), no freezing and no
+    teacher; the new weights float32 beside the base, as saved."""
     with module.phases("load", module.base_model):
         model = load_for(module, datamodule, device)
     policy = module.selection_policy()
@@ -280,7 +285,10 @@ def prepare(module, datamodule=None, callbacks=(), device=None) -> None:
         total_heads=head_map.total_heads,
     )
     log.info("replaced %d of %d query heads; parameters +%d -%d", head_map.replaced_heads, head_map.total_heads, added, removed)
-    improve(module, datamodule)
+    if improve_model:
+        improve(module, datamodule)
+    else:
+        keep_new_weights_float32(module.model)
     module.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
     measure(module, datamodule, callbacks, "on_after_convert")
 

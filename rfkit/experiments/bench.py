@@ -7,8 +7,8 @@
 
 ``--model`` is a converted model directory (``rfkit convert`` / ``rfkit fit`` output; the
 original is loaded from the base model named in its ``head_map.json``) or a recipe YAML (the
-base model is converted on the spot, without training: weights do not change cache sizes or
-speed). Both models run in the same process on random token ids, as in the paper.
+base model is converted on the spot, without training, to the architecture a fit saves: no
+attention transfer and no LoRA adapters, since weights do not change cache sizes or speed). Both models run in the same process on random token ids, as in the paper.
 
 Every number is measured; the analytic cache prediction is printed beside the measurement,
 never instead of it.
@@ -103,12 +103,13 @@ def check_model_spec(spec: str) -> str:
 
 def load_pair(spec: str | ModelSpec, device: torch.device) -> ModelPair:
     """The original and the converted model, in eval mode on ``device``: the converted one as
-    saved (:func:`rfkit.pipeline.load_saved`) or converted from the recipe
-    (:func:`rfkit.pipeline.prepare`), then the original from the same one resolution of the base
-    model (:func:`rfkit.pipeline.load`), in the converted model's dtype or the recipe's."""
+    saved (:func:`rfkit.pipeline.load_saved`) or converted from the recipe to the architecture a
+    fit saves, without transfer or adapters (:func:`rfkit.pipeline.prepare` with
+    ``improve_model=False``), then the original from the same one resolution of the base model
+    (:func:`rfkit.pipeline.load`), in the converted model's dtype or the recipe's."""
     spec = ModelSpec.of(spec, require_converted=True)
     notes = []
-    converted = spec.converted(device)
+    converted = spec.converted(device, improve=False)
     if spec.kind == "directory":
         dtype = DTYPE_NAMES[converted.dtype]
     else:

@@ -317,11 +317,12 @@ class RecurFormerModule(L.LightningModule):
         if position and hasattr(datamodule, "resume_at"):
             datamodule.resume_at(position["epoch"], position["batches"])
 
-    def prepare(self, datamodule=None, callbacks=(), device=None) -> None:
+    def prepare(self, datamodule=None, callbacks=(), device=None, improve_model: bool = True) -> None:
         """Load, profile, select and replace, on ``device`` (default: the trainer's, else the CPU),
-        then the quality methods: :func:`rfkit.pipeline.prepare`. Callbacks with
-        ``on_before_convert`` / ``on_after_convert`` see the original and the converted model."""
-        pipeline.prepare(self, datamodule, callbacks, device)
+        then the quality methods unless ``improve_model`` is False: :func:`rfkit.pipeline.prepare`.
+        Callbacks with ``on_before_convert`` / ``on_after_convert`` see the original and the
+        converted model."""
+        pipeline.prepare(self, datamodule, callbacks, device, improve_model)
 
     def place_freezing(self) -> None:
         """Freeze what the (first) freeze stage holds, as the trainer's strategy allows (part of

@@ -241,6 +241,29 @@ def test_cache_bench_from_a_recipe_converts_without_training(tiny_recipe, capsys
 
 
 @pytest.mark.slow
+def test_a_recipe_is_benched_as_the_architecture_its_fit_saves(tiny_recipe, tmp_path, monkeypatch):
+    """No attention transfer (weights change neither cache size nor speed) and no LoRA adapters (a
+    saved fit has them merged, and unmerged they would add their own products to every step): the
+    bench measures the saved model's architecture, its new weights float32 as saved."""
+    from rfkit import pipeline
+    from rfkit.config.loading import ModelSpec
+
+    config = yaml.safe_load(tiny_recipe.read_text())
+    config["model"]["lora"] = {"r": 2}
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(pipeline, "transfer", lambda *args, **kwargs: pytest.fail("the bench ran the attention transfer"))
+    model = bench.load_pair(str(recipe), torch.device("cpu")).converted
+    assert not any(".lora_" in name for name, _ in model.named_parameters())
+    mixers = [m for name, m in model.named_modules() if name.endswith(".mixer")]
+    assert mixers and all(p.dtype == torch.float32 for m in mixers for p in m.parameters())
+    # the same recipe made ready to train (fit, convert, eval): the adapters are there
+    monkeypatch.setattr(pipeline, "transfer", lambda *args, **kwargs: None)
+    trained = ModelSpec.of(str(recipe), require_converted=True).converted("cpu")
+    assert any(".lora_" in name for name, _ in trained.named_parameters())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
