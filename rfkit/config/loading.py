@@ -166,18 +166,18 @@ class ModelSpec:
             self._tokenizer = load_tokenizer(self.path, None) if saved else load_tokenizer(None, self.source())
         return self._tokenizer
 
-    def converted(self, device: torch.device | str | None = None, improve: bool = True) -> torch.nn.Module:
+    def converted(self, device: torch.device | str | None = None, improve_model: bool = True) -> torch.nn.Module:
         """The model the spec names, on ``device``: a directory as saved
         (:func:`rfkit.pipeline.load_saved`), a recipe's base converted on the spot without
         training, profiling and transfer included (:func:`rfkit.pipeline.prepare`); with
-        ``improve=False`` a recipe's conversion stops at the architecture a fit saves (no transfer,
-        no LoRA adapters), for measurements that weights do not change."""
+        ``improve_model=False`` a recipe's conversion stops at the architecture a fit saves (no
+        transfer, no LoRA adapters), for measurements that weights do not change."""
         from rfkit import pipeline
 
         if self.kind == "directory":
             return pipeline.load_saved(self.path, device)
         module, datamodule = self.recipe
-        module.prepare(datamodule, callbacks=[], device=device, improve_model=improve)  # resolves through source()
+        module.prepare(datamodule, callbacks=[], device=device, improve_model=improve_model)  # resolves through source()
         return module.model
 
     def original(self, device: torch.device | str | None = None, dtype: str | None = None) -> torch.nn.Module:

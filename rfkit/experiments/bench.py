@@ -8,7 +8,8 @@
 ``--model`` is a converted model directory (``rfkit convert`` / ``rfkit fit`` output; the
 original is loaded from the base model named in its ``head_map.json``) or a recipe YAML (the
 base model is converted on the spot, without training, to the architecture a fit saves: no
-attention transfer and no LoRA adapters, since weights do not change cache sizes or speed). Both models run in the same process on random token ids, as in the paper.
+attention transfer and no LoRA adapters, since weights do not change cache sizes or speed).
+Both models run in the same process on random token ids, as in the paper.
 
 Every number is measured; the analytic cache prediction is printed beside the measurement,
 never instead of it.
@@ -109,7 +110,7 @@ def load_pair(spec: str | ModelSpec, device: torch.device) -> ModelPair:
     (:func:`rfkit.pipeline.load`), in the converted model's dtype or the recipe's."""
     spec = ModelSpec.of(spec, require_converted=True)
     notes = []
-    converted = spec.converted(device, improve=False)
+    converted = spec.converted(device, improve_model=False)
     if spec.kind == "directory":
         dtype = DTYPE_NAMES[converted.dtype]
     else:
