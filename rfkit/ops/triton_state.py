@@ -55,6 +55,7 @@ served = 0
 CHUNK = 64
 _told: set = set()
 _KERNELS: dict = {}
+_PROBED: dict = {}  # interpreter_problem's answer, once per process
 
 
 class StateBackendError(RFKitError):
@@ -89,11 +90,45 @@ def serves(device, feature_dim: int) -> bool:
     if kind == "cuda" or (kind == "cpu" and CPU_INTERPRET):
         if not importable():
             return _refuse("triton", f"{ENV}=triton: Triton is not installed; the hybrid's state part stays on PyTorch")
+        if kind == "cpu" and (problem := interpreter_problem()) is not None:
+            return _refuse("interpreter", f"{ENV}=triton: Triton's interpreter cannot run the kernels here ({problem}); "
+                           "the hybrid's state part stays on PyTorch")  # fmt: skip
         if feature_dim < 16 or feature_dim > 128 or feature_dim & (feature_dim - 1):
             return _refuse(f"f{feature_dim}", f"{ENV}=triton: the kernels take 16, 32, 64 or 128 features, not "
                            f"{feature_dim}; the hybrid's state part stays on PyTorch")  # fmt: skip
         return True
     return _refuse(kind, f"{ENV}=triton: the Triton kernels serve CUDA devices; the hybrid's state part stays on PyTorch on {kind}")
+
+
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels in this environment, or None; asked once per
+    process, by running a one-program kernel that loops to a bound passed at run time, as every
+    kernel does. Known case: Triton 3.6 and older pass such a bound to ``range`` as a one-element
+    NumPy array and take ``int()`` of it, which NumPy 2.5 refuses ("only 0-dimensional arrays can
+    be converted to Python scalars"); the GPU machine's image pairs Triton 3.6 with NumPy 2.5. Only
+    the CPU twin meets it: on a GPU the kernels are compiled, not interpreted."""
+    if "interpreter" not in _PROBED:
+        _PROBED["interpreter"] = _probe_interpreter()
+    return _PROBED["interpreter"]
+
+
+def _probe_interpreter() -> str | None:
+    try:
+        import numpy
+        import torch
+        import triton
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from rfkit.ops.triton_state_kernels import probe
+
+        x = torch.zeros(2)
+        InterpretedFunction(probe)[(1,)](x, 3)
+        if x.tolist() != [3.0, 3.0]:
+            return f"Triton {triton.__version__}'s interpreter counted {x.tolist()} in a loop to 3"
+    except Exception as err:  # noqa: BLE001 - whatever stops it, the twin cannot run here
+        versions = f"Triton {getattr(triton, '__version__', '?')}, NumPy {numpy.__version__}" if "numpy" in locals() else ""
+        return f"{versions}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}".lstrip(": ")
+    return None
 
 
 def _refuse(key: str, message: str) -> bool:

@@ -159,3 +159,14 @@ def grad_kv(q_ptr, k_ptr, v_ptr, do_ptr, ds_ptr, lam_ptr, dk_ptr, dv_ptr, BG, G,
         dv += tl.dot(tl.trans(att), do, input_precision="ieee")
     tl.store(dk_ptr + (j * BG + bg) * L * F + t[:, None] * F + f[None, :], dk, mask=tm[:, None])
     tl.store(dv_ptr + bg * L * D + t[:, None] * D + d[None, :], dv, mask=tm[:, None] & dm[None, :])
+
+
+
+# The interpreter check (rfkit.ops.triton_state.interpreter_problem): a loop to a bound passed at
+# run time, as every kernel above has; adds N to each of the two values.
+def probe(x_ptr, N):
+    i = tl.arange(0, 2)
+    acc = tl.load(x_ptr + i)
+    for _ in range(0, N):
+        acc += 1.0
+    tl.store(x_ptr + i, acc)

@@ -4,14 +4,15 @@ the kernels against a naive decayed linear attention in float64 (output and ever
 decay's included), and the hybrid through them against its PyTorch chunks: prefill chunks that
 carry the state, a training forward and backward at a drawn shorter window, GQA and per-head
 groups, with and without decay, a converted model's decoding; and where they must not serve
-(float64, a feature size the kernels do not take, a CPU without the interpreter, an unknown
-backend; the CLI's refusal is in tests/cli/test_bad_inputs.py). And the kernels compiled for the
+(float64, a feature size the kernels do not take, a CPU without the interpreter, an interpreter
+that cannot run them, an unknown backend; the CLI's refusal is in tests/cli/test_bad_inputs.py). And the kernels compiled for the
 lent GPUs' architecture, without one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 from helpers import converted_tiny, decode_alike_on_two_backends
 from test_fast_paths import block, qkv
 
@@ -19,7 +20,7 @@ from rfkit.errors import RFKitError
 from rfkit.models.hybrid import HybridWindowAttention
 from rfkit.models.operators import HybridOperator
 from rfkit.models.window import WindowAttention
-from rfkit.ops import triton_state
+from rfkit.ops import triton_state, triton_state_kernels
 
 PER_HEAD = [1, 0, 0, 1]  # query heads whose KV heads are not in grouped order: every head its own group
 
@@ -161,6 +162,49 @@ def test_the_kernels_do_not_serve_where_they_cannot(monkeypatch, caplog):
     monkeypatch.setattr(HybridWindowAttention, "state_backend", "torch")
     with torch.no_grad():
         torch.testing.assert_close(y_cpu, wide.attend(q.float(), k.float(), v.float()), rtol=0, atol=0)
+
+
+def _probe_that_never_loops(x_ptr, N):
+    i = tl.arange(0, 2)
+    tl.store(x_ptr + i, tl.load(x_ptr + i))
+
+
+def _probe_that_fails(x_ptr, N):
+    raise TypeError("only 0-dimensional arrays can be converted to Python scalars")  # Triton 3.6 under NumPy 2.5
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_named_and_the_twin_stays_on_pytorch(monkeypatch, caplog):
+    """The interpreter here loops to a bound given at run time, as the kernels do: no problem. One that
+    cannot (Triton 3.6 under NumPy 2.5, the GPU image's pair, which the rehearsal in the image's versions
+    meets) is named with its versions, once, and the CPU twin keeps the PyTorch chunks."""
+    monkeypatch.setattr(triton_state, "_PROBED", {})
+    assert triton_state.interpreter_problem() is None
+    monkeypatch.setattr(triton_state_kernels, "probe", _probe_that_never_loops)
+    assert triton_state.interpreter_problem() is None  # asked once per process
+    monkeypatch.setattr(triton_state, "_PROBED", {})
+    assert triton_state.interpreter_problem().endswith("'s interpreter counted [0.0, 0.0] in a loop to 3")
+    monkeypatch.setattr(triton_state, "_PROBED", {})
+    monkeypatch.setattr(triton_state_kernels, "probe", _probe_that_fails)
+    problem = triton_state.interpreter_problem()
+    assert problem.startswith("Triton ") and ", NumPy " in problem
+    assert problem.endswith(": InterpreterError: TypeError('only 0-dimensional arrays can be converted to Python scalars')")
+
+    monkeypatch.setattr(HybridWindowAttention, "state_backend", "triton")
+    monkeypatch.setattr(triton_state, "_told", set())
+    q, k, v = qkv(1, 30, [0, 0, 1, 1])
+    wide = _hybrid("hybrid_open", 2, [0, 0, 1, 1])
+    before = triton_state.served
+    with torch.no_grad(), caplog.at_level("WARNING", logger="rfkit.ops.triton_state"):
+        y = wide.attend(q.float(), k.float(), v.float())
+        wide.attend(q.float(), k.float(), v.float())
+    assert triton_state.served == before
+    assert [r.getMessage() for r in caplog.records] == [
+        f"RFKIT_STATE_BACKEND=triton: Triton's interpreter cannot run the kernels here ({problem}); "
+        "the hybrid's state part stays on PyTorch"
+    ]
+    monkeypatch.setattr(HybridWindowAttention, "state_backend", "torch")
+    with torch.no_grad():
+        torch.testing.assert_close(y, wide.attend(q.float(), k.float(), v.float()), rtol=0, atol=0)
 
 
 def test_an_unknown_state_backend_is_one_line_naming_the_field(monkeypatch):
