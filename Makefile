@@ -13,8 +13,12 @@ STAMP  := $(VENV)/.rfkit-installed
 # rehearsal on this CPU in a fresh environment shaped like that machine's (CI runs it).
 GPU_ENV ?= /tmp/rfkit-gpu-env
 GPU_REHEARSAL_OUT ?= /tmp/rfkit-gpu-rehearsal
+# The same rehearsal in the GPU image's own versions (Python 3.12, torch 2.11, NumPy 2.5, ...;
+# benchmarks/gpu/image_env.py: about 5 GB from PyPI the first time). By hand, not in CI.
+GPU_IMAGE_ENV ?= /tmp/rfkit-gpu-image-env
+GPU_IMAGE_REHEARSAL_OUT ?= /tmp/rfkit-gpu-image-rehearsal
 
-.PHONY: setup demo test clean gpu-carry gpu-rehearsal
+.PHONY: setup demo test clean gpu-carry gpu-rehearsal gpu-rehearsal-image
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +51,10 @@ gpu-carry: setup
 gpu-rehearsal: gpu-carry
 	$(BIN)/python benchmarks/gpu/fresh_env.py --source $(VENV) --target $(GPU_ENV)
 	$(GPU_ENV)/bin/python benchmarks/gpu/check.py --cpu --carry .gpu-carry --out $(GPU_REHEARSAL_OUT)
+
+gpu-rehearsal-image: gpu-carry
+	$(BIN)/python benchmarks/gpu/image_env.py --target $(GPU_IMAGE_ENV)
+	$(GPU_IMAGE_ENV)/bin/python benchmarks/gpu/check.py --cpu --carry .gpu-carry --out $(GPU_IMAGE_REHEARSAL_OUT)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .gpu-carry

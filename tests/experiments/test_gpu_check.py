@@ -81,3 +81,34 @@ def test_the_carry_and_the_rehearsal_agree_on_what_the_gpu_machine_lacks():
     assert brought == (fresh.CARRIED - {"rfkit"}) | fresh.REPLACED_BY_CARRY
     assert not fresh.CARRIED & fresh.GPU_IMAGE  # the image really lacks what the carry brings
     assert fresh.REPLACED_BY_CARRY <= fresh.GPU_IMAGE  # and has older versions of these
+
+
+def test_the_image_versions_env_has_what_rfkit_needs_that_the_carry_does_not_bring(tmp_path, capsys):
+    """benchmarks/gpu/image_env.py installs the GPU image's versions of what the image has: every
+    runtime dependency of rfkit is there or in the carry, and everything it pins is in the image.
+    A Python of another minor version is one line and exit 2, before anything is built."""
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+
+    image = load_script("benchmarks/gpu/image_env.py")
+    carry = load_script("benchmarks/gpu/carry.py")
+    fresh = load_script("benchmarks/gpu/fresh_env.py")
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    needs = {fresh.normalise(r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip())
+             for r in project["dependencies"]}  # fmt: skip
+    installed = {fresh.normalise(n) for n in [*image.PINNED, *image.UNPINNED]}
+    brought = {fresh.normalise(name) for name, _ in carry.MISSING}
+    assert needs <= installed | brought, needs - installed - brought
+    assert {fresh.normalise(n) for n in image.PINNED} <= fresh.GPU_IMAGE
+    assert not {fresh.normalise(n) for n in image.PINNED} & brought  # the carry's versions are CI's, not pinned here
+
+    not_312 = sys.executable if sys.version_info[:2] != (3, 12) else None
+    if not_312:
+        assert image.main(["--target", str(tmp_path / "env"), "--python", not_312]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "image env: --python: no Python 3.12 found (the GPU image's); give one with --python")
+        assert not (tmp_path / "env").exists() and not (tmp_path / "env.building").exists()
