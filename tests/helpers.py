@@ -96,7 +96,8 @@ def run_in_process(args, cache) -> None:
             assert exit.code in (0, None), f"rfkit {args[0]} exited with {exit.code}"
 
 
-def forked(fn, *args, env: dict | None = None, stdout: Path | None = None, stderr: Path | None = None):
+def forked(fn, *args, env: dict | None = None, stdout: Path | None = None, stderr: Path | None = None,
+           watchdog: float | None = None):
     """``fn(*args)`` in a forked child of this process, started: a process of its own (a test can
     ``kill -9`` it, and nothing it imports reaches this one) without the interpreter start of a
     fresh one (torch, transformers and Lightning take 10-12 s to import on the 2-core CI machine;
@@ -104,19 +105,30 @@ def forked(fn, *args, env: dict | None = None, stdout: Path | None = None, stder
     writes its output there (and its errors to ``stderr``, default the same file), its logging
     set up afresh as in a new process. Returns the ``multiprocessing.Process``: ``.pid``,
     ``.join()``, ``.exitcode`` (``-9`` after a kill, the code of a ``SystemExit``, 1 after an
-    exception). Not for what needs a fresh interpreter: the real console script, an environment
-    read at import, and Lightning's DDP launch (it runs ``sys.argv`` again)."""
+    exception). After ``watchdog`` seconds a child still running writes every thread's Python stack
+    to its stderr and exits 1 (a hang shows where, not just that). Not for what needs a fresh
+    interpreter: the real console script, an environment read at import, and Lightning's DDP
+    launch (it runs ``sys.argv`` again)."""
+    import gc
     import multiprocessing
 
+    # Garbage that earlier tests left in cycles dies here, where its threads are: collected in the
+    # child instead, a Gloo process group's destructor waited forever on worker threads a fork
+    # does not copy (gdb: ~ProcessGroupGloo in pthread_cond_broadcast, from the child's GC).
+    gc.collect()
     streams = (stdout, stderr or stdout)
     context = multiprocessing.get_context("fork")
-    proc = context.Process(target=_run_forked, args=(fn, args, env or {}, streams), daemon=True)
+    proc = context.Process(target=_run_forked, args=(fn, args, env or {}, streams, watchdog), daemon=True)
     proc.start()
     return proc
 
 
-def _run_forked(fn, args, env, streams) -> None:
+def _run_forked(fn, args, env, streams, watchdog) -> None:
+    import faulthandler
+    import gc
     import logging
+
+    gc.freeze()  # and what the parent still holds is never collected here: its destructors belong there
 
     os.environ.update(env)
     if streams[0] is not None:
@@ -126,6 +138,8 @@ def _run_forked(fn, args, env, streams) -> None:
         os.dup2(err.fileno(), 2)
         sys.stdout, sys.stderr = out, err
         logging.getLogger().handlers.clear()  # pytest's capture handlers: rfkit sets up its own, on these streams
+    if watchdog is not None:  # a child that hangs writes every thread's stack to its stderr and exits
+        faulthandler.dump_traceback_later(watchdog, exit=True, file=sys.stderr)
     fn(*args)
 
 
@@ -137,7 +151,7 @@ def forked_run(fn, *args, env: dict | None = None, timeout: float = 300):
 
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs, "stdout"), Path(logs, "stderr")
-        proc = forked(fn, *args, env=env, stdout=out, stderr=err)
+        proc = forked(fn, *args, env=env, stdout=out, stderr=err, watchdog=max(timeout - 10, 1))
         proc.join(timeout)
         name = getattr(fn, "__name__", str(fn))
         if proc.is_alive():
