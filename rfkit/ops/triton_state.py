@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from rfkit.errors import RFKitError
 
@@ -126,8 +127,9 @@ def _probe_interpreter() -> str | None:
         if x.tolist() != [3.0, 3.0]:
             return f"Triton {triton.__version__}'s interpreter counted {x.tolist()} in a loop to 3"
     except Exception as err:  # noqa: BLE001 - whatever stops it, the twin cannot run here
-        versions = f"Triton {getattr(triton, '__version__', '?')}, NumPy {numpy.__version__}" if "numpy" in locals() else ""
-        return f"{versions}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}".lstrip(": ")
+        versions = ", ".join(f"{name} {getattr(sys.modules.get(module), '__version__', '?')}"
+                             for name, module in (("Triton", "triton"), ("NumPy", "numpy")))  # fmt: skip
+        return f"{versions}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
     return None
 
 
