@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    from rfkit.conversion.headmap import sha256_bytes
+
+    return {p.name: sha256_bytes(p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def main(argv: list[str] | None = None) -> int:

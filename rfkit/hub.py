@@ -86,11 +86,12 @@ def _gguf_parsed_once():
     """Within the block, every ``gguf.GGUFReader`` of one file is the same reader.
 
     A parse of the embedded GGUF reads every metadata field, the 49,152-token vocabulary and its
-    merges one part at a time in Python: about 6.5 s on a 2-core CPU. Dequantising it parsed the
-    file four times (transformers' ``load_gguf_checkpoint`` for the tokenizer, the config and the
-    weights, then :func:`_gguf_license` for the card). transformers imports ``GGUFReader`` from
-    ``gguf`` inside that function, so the module attribute is what it calls; a transformers that
-    bound it elsewhere would only parse again, as before. The file is read-only (a memory map)
+    merges one part at a time in Python. Dequantising it parsed the file four times (transformers'
+    ``load_gguf_checkpoint`` for the tokenizer, the config and the weights, then
+    :func:`_gguf_license` for the card): 42.7 s against 24.2 s with one parse on a 2-core CPU
+    (benchmarks/dequantise.py, benchmarks/results/dequantise/). transformers imports
+    ``GGUFReader`` from ``gguf`` inside that function, so the module attribute is what it calls;
+    a transformers that bound it elsewhere would only parse again, as before. The file is read-only (a memory map)
     and the readers are dropped when the block ends. Not for threads dequantising side by side:
     the attribute is the module's."""
     import gguf
@@ -135,8 +136,8 @@ def _materialise_embedded_model(target: Path) -> None:
 
 
 def _gguf_license() -> str | None:
-    """The ``general.license`` the embedded GGUF declares. Slow alone (about 6.5 s on a 2-core CPU:
-    the reader parses every field, the 49,152-token vocabulary included): read once, into the
+    """The ``general.license`` the embedded GGUF declares. Slow alone (the reader parses every
+    field, the 49,152-token vocabulary included): read once, into the
     dequantised copy's card (:func:`_write_embedded_card`), from the parse the dequantising made
     (:func:`_gguf_parsed_once`)."""
     import gguf

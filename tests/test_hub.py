@@ -72,7 +72,7 @@ def _tiny_llama_gguf(path):
 
 def test_dequantising_parses_the_gguf_once(tmp_path, monkeypatch):
     """transformers parses the GGUF for the tokenizer, the config and the weights, and the card reads
-    its licence from it: four parses of every field (about 6.5 s each for the embedded file), one now.
+    its licence from it: four parses of every field (42.7 s against 24.2 s for the embedded file), one now.
     The copy is the whole model all the same, and the reader is gguf's own again afterwards."""
     source = tmp_path / "package" / "tiny.gguf"
     source.parent.mkdir()
@@ -81,7 +81,11 @@ def test_dequantising_parses_the_gguf_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the GGUF's folder: transformers looks for gguf_file in the working folder first
     reader_class, parses = gguf.GGUFReader, []
     init = reader_class.__init__
-    monkeypatch.setattr(reader_class, "__init__", lambda self, path, *a, **k: parses.append(path) or init(self, path, *a, **k))
+    def counting(self, path, *a, **k):
+        parses.append(path)
+        init(self, path, *a, **k)
+
+    monkeypatch.setattr(reader_class, "__init__", counting)
 
     hub._materialise_embedded_model(tmp_path / "copy")
     assert len(parses) == 1

@@ -100,10 +100,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
+def measure(b, batch: int, length: int, train: bool, runs: int, device, skip=()) -> dict:
+    """One row: every variant but those in ``skip`` (named in the result's ``not_run``)."""
+    variants = [v for v in VARIANTS if v not in skip]
     row = {"batch": batch, "length": length, "pass": "train (forward + backward)" if train else "prefill (forward)"}
     outputs = {}
-    for backend in VARIANTS:
+    for backend in variants:
         served, state_served = flex_window.served, triton_state.served
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -122,9 +124,9 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
     agree = all(
         row[f"{v}_flex_calls"] == (runs + 1 if VARIANTS[v][0] == "flex" else 0)
         and row[f"{v}_state_calls"] == (runs + 1 if VARIANTS[v][2] == "triton" else 0)
-        for v in VARIANTS
+        for v in variants
     )
-    for variant in COLUMNS:
+    for variant in [v for v in COLUMNS if v in variants]:
         y_v, g_v = outputs[variant]
         errors = {"output": rel_err(y_v, y_t), **{f"grad_{n}": rel_err(g_v[n], g_t[n]) for n in g_t if g_t[n] is not None}}
         row[f"{variant}_rel_err"] = {n: float(f"{e:.3g}") for n, e in errors.items()}
@@ -135,22 +137,23 @@ def measure(b, batch: int, length: int, train: bool, runs: int, device) -> dict:
 
 
 def markdown(result: dict) -> str:
+    columns = {v: name for v, name in COLUMNS.items() if v not in result.get("not_run", {})}
     lines = [
         f"Window part (tiled PyTorch against FlexAttention) and state part (PyTorch chunks against the Triton "
         f"kernels): {result['device']}, bf16 activations (float32 compute), one hybrid layer ({result['layer']}); "
         f"medians of {result['runs']} runs after a warm-up (a first call compiles FlexAttention and the kernels); "
         "speed-ups and errors against the default, tiles of 32 with the PyTorch state.",
         "",
-        "| pass | batch x length | default s | " + " | ".join(f"{name} s (speed-up)" for name in COLUMNS.values())
+        "| pass | batch x length | default s | " + " | ".join(f"{name} s (speed-up)" for name in columns.values())
         + " | flex first call s | worst rel. error | agree |",
-        "|---|---|---:|" + "---:|" * len(COLUMNS) + "---:|---:|---|",
+        "|---|---|---:|" + "---:|" * len(columns) + "---:|---:|---|",
     ]
     for r in result["rows"]:
         if "error" in r or "skipped" in r:
-            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} |" + " |" * (len(COLUMNS) + 3))
+            lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r.get('error') or r.get('skipped')} |" + " |" * (len(columns) + 3))
             continue
-        worst = max(max(r[f"{v}_rel_err"].values()) for v in COLUMNS)
-        cells = " | ".join(f"{r[f'{v}_s']:.4f} ({r[f'{v}_speedup']:.2f}x)" for v in COLUMNS)
+        worst = max(max(r[f"{v}_rel_err"].values()) for v in columns)
+        cells = " | ".join(f"{r[f'{v}_s']:.4f} ({r[f'{v}_speedup']:.2f}x)" for v in columns)
         lines.append(f"| {r['pass']} | {r['batch']} x {r['length']:,} | {r['torch_s']:.4f} | {cells} | {r['flex_first_s']:.2f} | "
                      f"{worst:.2e} | {'yes' if r['agree'] else 'NO'} |")  # fmt: skip
     lines += [f"Not run, {variant}: {why}" for variant, why in result.get("not_run", {}).items()]
@@ -180,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         # the twin cannot interpret the kernels here (Triton 3.6 under NumPy 2.5, the GPU image's
         # pair); a GPU compiles them. The window backends are still compared.
         for variant in [v for v in VARIANTS if VARIANTS[v][2] == "triton"]:
-            del VARIANTS[variant], COLUMNS[variant]
             not_run[variant] = f"Triton's interpreter cannot run the kernels here: {problem}"
     b = layer(device, args.tiny)
     cases = [(1, 128, False), (2, 256, False)] if args.tiny else [
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {**ident, "skipped": "time budget"}
         else:
             try:
-                row = measure(b, batch, length, train and device.type == "cuda", args.runs, device)
+                row = measure(b, batch, length, train and device.type == "cuda", args.runs, device, skip=not_run)
             except Exception as err:  # one row's failure (out of memory, a compile error) must not cost the rest
                 row = {**ident, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
                 failed = True
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         result["provenance"]["wall_seconds"] = round(time.time() - started, 1)
         atomic_write_json(out / "window_backends.json", result)
         atomic_write_text(out / "window_backends.md", markdown(result))
-        print(markdown({**result, "rows": [row], "not_run": {}}).splitlines()[-1], flush=True)
+        print(markdown({**result, "rows": [row]}).splitlines()[-(1 + len(not_run))], flush=True)
     return 1 if failed else 0
 
 

@@ -161,7 +161,6 @@ def grad_kv(q_ptr, k_ptr, v_ptr, do_ptr, ds_ptr, lam_ptr, dk_ptr, dv_ptr, BG, G,
     tl.store(dv_ptr + bg * L * D + t[:, None] * D + d[None, :], dv, mask=tm[:, None] & dm[None, :])
 
 
-
 # The interpreter check (rfkit.ops.triton_state.interpreter_problem): a loop to a bound passed at
 # run time, as every kernel above has; adds N to each of the two values.
 def probe(x_ptr, N):
