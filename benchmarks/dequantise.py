@@ -1,14 +1,16 @@
 """How long does the first use of the embedded model take to dequantise its GGUF?
 
-    python benchmarks/dequantise.py [--runs 3] [--json benchmarks/results/dequantise/dequantise.json]
+    python benchmarks/dequantise.py [--runs 3] [--json benchmarks/results/dequantise/name_map_once.json]
 
 The first ``rfkit`` command on the embedded default dequantises ``SmolLM2-135M-Instruct.Q4_1.gguf``
 into a safetensors folder in the cache (rfkit.hub._materialise_embedded_model); later ones load
-that folder. This times that step into fresh temporary folders, the way it runs now (one parse of
-the GGUF serves the tokenizer, the config, the weights and the card's licence:
-rfkit.hub._gguf_parsed_once) against each reader parsing the file again (the block replaced by a
-no-op, as before), alternating which goes first, medians of ``--runs``. It also checks that the
-two folders are the same files, byte for byte, and counts the parses. Nothing in the cache is
+that folder. This times that step into fresh temporary folders three ways, rotating which goes
+first, medians of ``--runs``: as it runs now (one parse of the GGUF serves the tokenizer, the
+config, the weights and the card's licence: rfkit.hub._gguf_parsed_once; one tensor-name map
+serves every module of the model: rfkit.hub._gguf_name_map_once), with the name map built again
+for every module (the second block replaced by a no-op), and with neither (each reader parsing the
+file again too: the dequantising before both). It also checks that the three folders are the same
+files, byte for byte, and counts the parses and the name maps built. Nothing in the cache is
 touched.
 """
 
@@ -43,35 +45,50 @@ def main(argv: list[str] | None = None) -> int:
     from rfkit.atomic import atomic_write_json
     from rfkit.provenance import command_line, stamp
 
-    parses = []
+    parses, maps = [], []
     init = gguf.GGUFReader.__init__
+    build_map = gguf.get_tensor_name_map
 
     def counting(self, path, *a, **k):
         parses.append(path)
         return init(self, path, *a, **k)
 
+    def counting_map(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return build_map(arch, n_blocks)
+
     gguf.GGUFReader.__init__ = counting
-    once = hub._gguf_parsed_once
-    modes = {"one parse": once, "a parse per reader": contextlib.nullcontext}
+    gguf.get_tensor_name_map = counting_map  # what _gguf_name_map_once wraps: it counts the maps built
+    parse_once, map_once, none = hub._gguf_parsed_once, hub._gguf_name_map_once, contextlib.nullcontext
+    modes = {
+        "now": (parse_once, map_once),
+        "a name map per module": (parse_once, none),
+        "a parse per reader, a name map per module": (none, none),
+    }
     started = time.time()
     times: dict[str, list[float]] = {m: [] for m in modes}
     counts: dict[str, list[int]] = {m: [] for m in modes}
+    map_counts: dict[str, list[int]] = {m: [] for m in modes}
     digests = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            order = list(modes) if run % 2 == 0 else list(reversed(modes))
+            order = list(modes)[run % len(modes) :] + list(modes)[: run % len(modes)]
             for mode in order:
-                hub._gguf_parsed_once = modes[mode]
-                folder = Path(tmp) / f"{run}-{len(digests)}"
+                hub._gguf_parsed_once, hub._gguf_name_map_once = modes[mode]
+                folder = Path(tmp) / f"{run}-{mode}".replace(" ", "_").replace(",", "")
                 parses.clear()
+                maps.clear()
                 start = time.perf_counter()
                 hub._materialise_embedded_model(folder)
                 times[mode].append(round(time.perf_counter() - start, 2))
                 counts[mode].append(len(parses))
+                map_counts[mode].append(len(maps))
                 digests.setdefault(mode, digest(folder))
-                print(f"run {run + 1}, {mode}: {times[mode][-1]:.1f} s, {len(parses)} parse(s)", flush=True)
-    hub._gguf_parsed_once = once
+                print(f"run {run + 1}, {mode}: {times[mode][-1]:.1f} s, {len(parses)} parse(s), {len(maps)} name map(s)", flush=True)
+    hub._gguf_parsed_once, hub._gguf_name_map_once = parse_once, map_once
+    gguf.GGUFReader.__init__, gguf.get_tensor_name_map = init, build_map
     medians = {m: statistics.median(t) for m, t in times.items()}
+    before = "a parse per reader, a name map per module"
     result = {
         "kind": "dequantise",
         "gguf": hub.embedded_gguf().name,
@@ -80,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": times,
         "median_seconds": medians,
         "parses": counts,
-        "speedup": round(medians["a parse per reader"] / medians["one parse"], 3),
-        "same_files": digests["one parse"] == digests["a parse per reader"],
-        "files": sorted(digests["one parse"]),
+        "name_maps": map_counts,
+        "speedup": {m: round(medians[before] / medians[m], 3) for m in modes if m != before},
+        "same_files": all(d == digests["now"] for d in digests.values()),
+        "files": sorted(digests["now"]),
     }
     stamp(result, started, command_line(["benchmarks/dequantise.py", *(argv if argv is not None else sys.argv[1:])]))
-    print(f"median {medians['a parse per reader']:.1f} s -> {medians['one parse']:.1f} s ({result['speedup']:.2f}x); "
-          f"same files: {result['same_files']}")  # fmt: skip
+    print("medians: " + ", ".join(f"{m} {t:.1f} s" for m, t in medians.items()) + f"; same files: {result['same_files']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(args.json), result)
