@@ -82,6 +82,29 @@ def is_embedded(name: str | None) -> bool:
 
 
 @contextmanager
+def _gguf_once(name: str, key):
+    """Within the block, ``gguf.<name>`` makes one object per ``key(*args, **kwargs)`` and gives
+    it to every later call with that key. transformers imports what it uses from ``gguf`` inside
+    its functions, so the module attribute is what it calls; a transformers that bound it elsewhere
+    would only make the objects again, as before. The objects are dropped when the block ends. Not
+    for threads dequantising side by side: the attribute is the module's."""
+    import gguf
+
+    original, made = getattr(gguf, name), {}
+
+    def once(*args, **kwargs):
+        k = key(*args, **kwargs)
+        if k not in made:
+            made[k] = original(*args, **kwargs)
+        return made[k]
+
+    setattr(gguf, name, once)
+    try:
+        yield
+    finally:
+        setattr(gguf, name, original)
+
+
 def _gguf_parsed_once():
     """Within the block, every ``gguf.GGUFReader`` of one file is the same reader.
 
@@ -89,58 +112,21 @@ def _gguf_parsed_once():
     merges one part at a time in Python. Dequantising it parsed the file four times (transformers'
     ``load_gguf_checkpoint`` for the tokenizer, the config and the weights, then
     :func:`_gguf_license` for the card): 42.7 s against 24.2 s with one parse on a 2-core CPU
-    (benchmarks/dequantise.py, benchmarks/results/dequantise/). transformers imports
-    ``GGUFReader`` from ``gguf`` inside that function, so the module attribute is what it calls;
-    a transformers that bound it elsewhere would only parse again, as before. The file is read-only (a memory map)
-    and the readers are dropped when the block ends. Not for threads dequantising side by side:
-    the attribute is the module's."""
-    import gguf
-
-    original = gguf.GGUFReader
-    readers: dict[tuple, object] = {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.path.realpath(os.fspath(path)), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = original(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+    (benchmarks/dequantise.py, benchmarks/results/dequantise/dequantise.json). The file is
+    read-only (a memory map)."""
+    return _gguf_once("GGUFReader", lambda path, *a, **k: (os.path.realpath(os.fspath(path)), a, tuple(sorted(k.items()))))
 
 
-@contextmanager
 def _gguf_name_map_once():
     """Within the block, ``gguf.get_tensor_name_map`` builds each architecture's map once.
 
     transformers matches the GGUF's tensor names to the model's by walking every module of the
     model (``get_gguf_hf_weights_map`` calls itself on each child) and asks gguf for the whole
     name map at every one of them: SmolLM2's 397 modules, each a new ``TensorNameMap`` of every
-    tensor name of 30 blocks: 25.0 s against 15.9 s with one map on a 2-core CPU
-    (benchmarks/dequantise.py, benchmarks/results/dequantise/name_map_once.json; before either
-    block, 45.1 s), the same files byte for byte. A map is only read after it is
-    built, so one per (architecture, blocks) serves every module. As in
-    :func:`_gguf_parsed_once`, transformers imports the function from ``gguf`` inside its own, so
-    the module attribute is what it calls, and a transformers that bound it elsewhere would only
-    build the maps again."""
-    import gguf
-
-    original = gguf.get_tensor_name_map
-    maps: dict[tuple, object] = {}
-
-    def name_map(arch, n_blocks):
-        if (arch, n_blocks) not in maps:
-            maps[arch, n_blocks] = original(arch, n_blocks)
-        return maps[arch, n_blocks]
-
-    gguf.get_tensor_name_map = name_map
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
+    tensor name of 30 blocks. 25.0 s against 15.9 s with one map on a 2-core CPU, the same files
+    byte for byte (benchmarks/results/dequantise/name_map_once.json; before either block, 45.1 s).
+    A map is only read after it is built, so one per (architecture, blocks) serves every module."""
+    return _gguf_once("get_tensor_name_map", lambda arch, n_blocks: (arch, n_blocks))
 
 
 def _materialise_embedded_model(target: Path) -> None:
