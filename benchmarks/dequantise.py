@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts[mode].append(len(parses))
                 map_counts[mode].append(len(maps))
                 digests.setdefault(mode, digest(folder))
-                print(f"run {run + 1}, {mode}: {times[mode][-1]:.1f} s, {len(parses)} parse(s), {len(maps)} name map(s)", flush=True)
+                seconds, n_parses, n_maps = times[mode][-1], len(parses), len(maps)
+                print(f"run {run + 1}, {mode}: {seconds:.1f} s, {n_parses} parse(s), {n_maps} name map(s)", flush=True)
     hub._gguf_parsed_once, hub._gguf_name_map_once = parse_once, map_once
     gguf.GGUFReader.__init__, gguf.get_tensor_name_map = init, build_map
     medians = {m: statistics.median(t) for m, t in times.items()}
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         "files": sorted(digests["now"]),
     }
     stamp(result, started, command_line(["benchmarks/dequantise.py", *(argv if argv is not None else sys.argv[1:])]))
-    print("medians: " + ", ".join(f"{m} {t:.1f} s" for m, t in medians.items()) + f"; same files: {result['same_files']}")
+    each = ", ".join(f"{m} {t:.1f} s" for m, t in medians.items())
+    print(f"medians: {each}; same files: {result['same_files']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(args.json), result)

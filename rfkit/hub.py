@@ -114,7 +114,10 @@ def _gguf_parsed_once():
     :func:`_gguf_license` for the card): 42.7 s against 24.2 s with one parse on a 2-core CPU
     (benchmarks/dequantise.py, benchmarks/results/dequantise/dequantise.json). The file is
     read-only (a memory map)."""
-    return _gguf_once("GGUFReader", lambda path, *a, **k: (os.path.realpath(os.fspath(path)), a, tuple(sorted(k.items()))))
+    def same_file(path, *args, **kwargs):
+        return os.path.realpath(os.fspath(path)), args, tuple(sorted(kwargs.items()))
+
+    return _gguf_once("GGUFReader", same_file)
 
 
 def _gguf_name_map_once():

@@ -83,12 +83,14 @@ def test_dequantising_parses_the_gguf_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the GGUF's folder: transformers looks for gguf_file in the working folder first
     reader_class, parses = gguf.GGUFReader, []
     init = reader_class.__init__
+
     def counting(self, path, *a, **k):
         parses.append(path)
         init(self, path, *a, **k)
 
     monkeypatch.setattr(reader_class, "__init__", counting)
     build_map, maps = gguf.get_tensor_name_map, []
+
     def counting_map(arch, n_blocks):
         maps.append((arch, n_blocks))
         return build_map(arch, n_blocks)
