@@ -1,0 +1,168 @@
+"""benchmarks/seed_lines.py: a recipe's seeds fitted, evaluated and checked against the lines of
+their beta, resumable; and the same check over the seeds behind the README's beta tables."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import pytest
+from helpers import SMOLLM, load_script, tiny_args
+
+
+@pytest.fixture(scope="module")
+def seed_lines():
+    return load_script("benchmarks/seed_lines.py")
+
+
+def _lines(result: dict, seed: int) -> dict:
+    (entry,) = [s for s in result["seeds"] if s["seed"] == seed]
+    return {line["line"]: line for line in entry["lines"]}
+
+
+def test_the_shipped_beta_09_seeds_miss_one_needle_and_one_fit_time(seed_lines, tmp_path, capsys):
+    assert seed_lines.main(["--shipped", "b09", "--output", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "lines.json").read_text())
+    assert result["beta"] == 0.9 and result["recipe"] == "recipes/smollm2_b09.yaml" and not result["all_met"]
+    assert [s["seed"] for s in result["seeds"]] == [0, 1, 2]
+    assert result["provenance"]["command"].startswith("python benchmarks/seed_lines.py --shipped b09")
+    seed1 = _lines(result, 1)
+    missed = sorted(name for name, line in seed1.items() if not line["ok"])
+    assert missed == ["fit <= 2x the default's", "needles the training-free model finds, missed"]
+    assert seed1["needles the training-free model finds, missed"]["value"] == "1 of 18"  # the 20-digit key
+    assert seed1["fit <= 2x the default's"]["value"].startswith("2.21x")
+    for seed in (0, 2):
+        lines = _lines(result, seed)
+        assert all(line["ok"] for line in lines.values()), seed
+        assert {"Wikipedia <= 1.05", "long documents 8192 <= 1.25", "long documents 8192 below training-free"} <= set(
+            lines
+        )
+    assert "1 of 18 **missed**" in (tmp_path / "lines.md").read_text()
+    assert "| needles the training-free model finds, missed |" in capsys.readouterr().out
+
+
+def test_the_shipped_beta_075_seeds_meet_every_quality_line_and_not_the_2k_decode(seed_lines, tmp_path):
+    assert seed_lines.main(["--shipped", "b075", "--output", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "lines.json").read_text())
+    for seed in (0, 1, 2):
+        lines = _lines(result, seed)
+        assert all(line["ok"] for line in lines.values()), seed
+        assert lines["passkeys at 4096 as the original's"]["value"] == "6 vs 6 of 6"
+        assert "Wikipedia below training-free" in lines
+    speed = {line["line"]: line["ok"] for line in result["speed"]["lines"]}
+    assert speed == {"decode at 2048 >= 1.3x": False, "decode at 8192 >= 1.9x": True}
+    assert "AMD EPYC" in result["speed"]["model"]  # the machine the file was measured on
+
+
+def test_a_line_fails_when_its_value_crosses_it(seed_lines):
+    from tables import load
+    from tables.front import SHIPPED_B09
+
+    spec = SHIPPED_B09
+    seed = spec.seeds[2]  # every line met as measured
+    fit, context, needles, default = (load(name) for name in (seed.fit, seed.context, seed.needles, seed.default_fit))
+    free = load(spec.free_context)
+    assert all(line["ok"] for line in seed_lines.check_seed(0.9, fit, context, needles, default, free=free))
+    worse = copy.deepcopy(context)
+    worse["rows"]["converted"]["ppl_ratio"]["2048"] = 1.3  # above the 1.15 line and the training-free 1.21
+    failed = [
+        line["line"] for line in seed_lines.check_seed(0.9, fit, worse, needles, default, free=free) if not line["ok"]
+    ]
+    assert failed == ["long documents 2048 <= 1.15", "long documents 2048 below training-free"]
+    slow = dict(fit, wall_seconds=2.01 * default["wall_seconds"])
+    failed = [
+        line["line"]
+        for line in seed_lines.check_seed(0.9, slow, context, needles, default, free=free)
+        if not line["ok"]
+    ]
+    assert failed == ["fit <= 2x the default's"]
+    other = copy.deepcopy(free)
+    other["rows"]["original"]["ppl"]["2048"] += 0.5  # the training-free row was scored on other blocks
+    with pytest.raises(ValueError, match="other blocks"):
+        seed_lines.check_seed(0.9, fit, context, needles, default, free=other)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recipe", "recipes/nope.yaml"], "--recipe: no such recipe file 'recipes/nope.yaml'"),
+        (["--recipe", SMOLLM, "--seeds", "0,x"], "--seeds: expected integers separated by commas, got '0,x'"),
+        (["--recipe", SMOLLM, "--seeds", "1,1"], "--seeds: expected distinct integers >= 0"),
+        (["--recipe", SMOLLM, "--reference", "recipes/nope.yaml"], "--reference: no such recipe file"),
+        (["--recipe", SMOLLM, "--needles-args", "--lengths 'open"], "--needles-args: No closing quotation"),
+        ([], "--recipe: required (or --shipped)"),
+        (["--recipe", SMOLLM, "--shipped", "b05"], "argument --shipped: invalid choice: 'b05'"),
+        (["--recipe", SMOLLM, "--", "--seed_everything", "4"], "--seed_everything: set for each fit by seed_lines"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(seed_lines, args, message, tmp_path, capsys):
+    assert seed_lines.main(["--output", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("seed_lines: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_run_fits_evaluates_checks_and_resumes(
+    seed_lines, tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys
+):
+    """The whole run on the tiny model, each rfkit command in this process (a fresh interpreter per
+    step is what the script runs; here it would cost the suite a minute of imports)."""
+    from rfkit.cli import main as rfkit_main
+
+    monkeypatch.setenv("RFKIT_CACHE", str(tmp_path / "cache"))
+    ran = []
+
+    def in_process(cmd, log):
+        assert cmd[1:3] == ["-m", "rfkit.cli"]
+        ran.append(cmd[3:])
+        with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            try:
+                rfkit_main(cmd[3:])
+            except SystemExit as exit:
+                return exit.code or 0
+        return 0
+
+    monkeypatch.setattr(seed_lines, "_run", in_process)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    overrides = tiny_args(tiny_model_dir, tiny_corpus, tmp_path / "unused")[2:]  # after --config RECIPE
+    at = overrides.index("--trainer.default_root_dir")
+    del overrides[at : at + 2]  # each fit's own under --runs
+    args = [
+        "--recipe", SMOLLM, "--seeds", "3", "--reference", "none", "--output", str(out), "--runs", str(runs),
+        "--context-args", f"--lengths 128 --tokens 256 --source {tiny_corpus}",
+        "--needles-args", "--shapes passkey --lengths 256 --depths 0,1 --trials 1",
+        "--", *overrides,
+    ]  # fmt: skip
+    assert seed_lines.main(args) == 0, capsys.readouterr().err
+    assert [cmd[:2] for cmd in ran] == [["fit", "--config"], ["eval", "context"], ["eval", "needles"]]
+    assert ran[0][2:5] == [SMOLLM, "--seed_everything", "3"] and "--trainer.max_steps" in ran[0]
+    summary = json.loads((out / "seed3" / "fit_summary.json").read_text())
+    model = summary["model_dir"]
+    assert model.startswith(str(runs / "seed3"))  # the fit's own folder, under --runs
+    for cmd in ran[1:]:
+        assert cmd[2:4] == ["--model", model]  # each evaluation reads the model the fit saved
+    assert cmd[cmd.index("--lengths") + 1] == "256"  # --needles-args win over the defaults
+    context = json.loads((out / "seed3" / "context" / "context.json").read_text())
+    assert context["lengths"] == [128] and any(n.endswith("training-free") for n in context["rows"])
+    result = json.loads((out / "lines.json").read_text())
+    assert result["beta"] == 0.5 and result["overrides"].startswith("--model.dtype float32")
+    names = [line["line"] for line in result["seeds"][0]["lines"]]
+    assert names == ["long documents 128 below training-free", "needles the training-free model finds, missed"]
+    first = (runs / "logs" / "seed_3_fit.log").read_text().splitlines()[0]  # the step's command line first
+    assert (
+        f"-m rfkit.cli fit --config {SMOLLM} --seed_everything 3"
+        f" --trainer.default_root_dir {runs / 'seed3'} --model.dtype" in first
+    )
+
+    # done steps are not run again; a missing result runs its step alone
+    ran.clear()
+    (out / "seed3" / "needles" / "needles.json").unlink()
+    capsys.readouterr()
+    assert seed_lines.main(["--dry-run", *args]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("seed 3: needles: ") and f"--model {model}" in line
+    assert ran == []
+    assert seed_lines.main(args) == 0
+    assert [cmd[:2] for cmd in ran] == [["eval", "needles"]]
