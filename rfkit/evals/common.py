@@ -44,6 +44,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, original: bool = True) 
     )  # fmt: skip
 
 
+def add_reuse_argument(parser: argparse.ArgumentParser) -> None:
+    """``--no-reuse``: the reference models measured again (:mod:`rfkit.evals.references`)."""
+    parser.add_argument(
+        "--no-reuse", action="store_true",
+        help="measure the original and the training-free model again instead of reusing their results "
+        "from an earlier run on the same prompts and weights ($RFKIT_CACHE/eval_references)",
+    )  # fmt: skip
+
+
 def check_model_arguments(args, lengths: list[int] | None = None, extra_tokens: int = 0, flag: str = "--lengths"):
     """The model checks that need no weights: spec, device, output file and (when given) that
     every length fits the model's context. Sets ``args.torch_device`` and ``args.model_spec``,

@@ -29,17 +29,21 @@ times L plus the constant state (``rfkit bench cache`` measures the same within 
 
 Writes ``context.json``, ``context.md`` and ``context.png`` (perplexity ratio and passkey
 accuracy against length, one line per model) to ``--output`` (default ``runs/context_<name of
-DIR>``) and adds the table to DIR's model card (unless ``--no-record``).
+DIR>``) and adds the table to DIR's model card (unless ``--no-record``). The original's and the
+baseline's rows are reused from an earlier run on the same blocks and weights
+(:mod:`rfkit.evals.references`; ``--no-reuse`` measures them again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
 
 from rfkit.config.args import parse_depths, parse_lengths
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int
+from rfkit.evals import references
+from rfkit.evals.common import EvalError, add_model_arguments, add_reuse_argument, check_model_arguments, positive_int
 
 DEFAULT_BASELINE = "matched"
 EXAMPLE_BASELINE = "sink_recent(sink=4,window=64)"
@@ -59,6 +63,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trials", type=int, default=1, help="passkey keys per (length, depth)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the passkey keys")
     parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    add_reuse_argument(parser)
     parser.add_argument("--output", default=None, help="output directory (default runs/context_<model dir name>)")
 
 
@@ -202,6 +207,7 @@ def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
 
 def run(args) -> int:
     from rfkit.config.loading import load_model
+    from rfkit.evals.passkey import NEW_TOKENS
     from rfkit.experiments.reports import write_report
     from rfkit.models.mixer import ablate_states
 
@@ -209,15 +215,18 @@ def run(args) -> int:
     loaded = load_model(args.model_spec, device=args.torch_device)
     head_map = args.model_spec.head_map
     blocks = _blocks(args.source, args.model_spec.source(), args.length_list, args.tokens)  # the base's tokenizer
-    rows = {}
-    for name, model, closed, _ in models_to_measure(args, loaded, head_map):
-        t0 = time.time()
-        if closed:
-            with ablate_states(model):
-                rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
-        else:
-            rows[name] = measure(model, loaded.tokenizer, blocks, args, name)
-        rows[name]["seconds"] = round(time.time() - t0, 1)
+
+    def measure_one(name, model, closed) -> dict:
+        with ablate_states(model) if closed else contextlib.nullcontext():
+            return measure(model, loaded.tokenizer, blocks, args, name)
+
+    passkey_settings = None if args.no_passkey else [args.depth_list, args.trials, args.seed, NEW_TOKENS]
+    settings = {"source": args.source, "lengths": args.length_list, "tokens": args.tokens, "passkey": passkey_settings}
+    measured = references.measure_models(
+        models_to_measure(args, loaded, head_map), measure_one, "context", settings, blocks, head_map.selected,
+        not args.no_reuse, references.pairs, references.unpairs,
+    )  # fmt: skip
+    rows = {name: {**row, "seconds": seconds, "reused": reused} for name, (row, seconds, reused) in measured.items()}
     first = rows["original"]
     for row in rows.values():
         row["ppl_ratio"] = {n: row["ppl"][n] / first["ppl"][n] for n in args.length_list}

@@ -31,7 +31,9 @@ Models, all in one process on the same prompts (as :mod:`rfkit.evals.context` bu
 the original, the converted model, its state switched off (``--no-state-off`` leaves it out)
 and the ``--baseline`` operator on the same head map, training-free (``matched``: the recent
 window that holds the converted heads' bytes). The report counts, per model and shape, the
-needles the training-free baseline (and the original) found that the model missed.
+needles the training-free baseline (and the original) found that the model missed. The
+original's and the baseline's answers are reused from an earlier run on the same prompts and
+weights (:mod:`rfkit.evals.references`; ``--no-reuse`` answers them again).
 
 Writes ``needles.json``, ``needles.md`` and ``needles.png`` to ``--output`` (default
 ``runs/needles_<name of DIR>``) and adds the accuracies to DIR's model card (unless ``--no-record``).
@@ -39,6 +41,7 @@ Writes ``needles.json``, ``needles.md`` and ``needles.png`` to ``--output`` (def
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -61,8 +64,8 @@ from rfkit.data.needle_prompts import (  # noqa: F401  (the shapes' names, read 
     prompts,
     trial,
 )
-from rfkit.evals import passkey
-from rfkit.evals.common import EvalError, add_model_arguments, check_model_arguments, positive_int
+from rfkit.evals import passkey, references
+from rfkit.evals.common import EvalError, add_model_arguments, add_reuse_argument, check_model_arguments, positive_int
 
 
 def first_integer(output: str) -> int | None:
@@ -200,6 +203,7 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument("--no-state-off", action="store_true", help="leave out the converted model with its state off")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
+    add_reuse_argument(parser)
     parser.add_argument("--output", default=None, help="output directory (default runs/needles_<model dir name>)")
 
 
@@ -250,20 +254,24 @@ def run(args) -> int:
     loaded = load_model(args.model_spec, device=args.torch_device)
     head_map = args.model_spec.head_map
     records = prompts(loaded.tokenizer, args.shape_list, args.length_list, args.depth_list, args.trials, args.seed)
-    answers, seconds, baseline = {}, {}, None
-    for name, model, closed, training_free in models_to_measure(args, loaded, head_map, state_off=not args.no_state_off):
-        t0 = time.time()
-        if closed:
-            with ablate_states(model):
-                answers[name] = answer(model, loaded.tokenizer, records, args.batch_size, desc=f"needles ({name})")
-        else:
-            answers[name] = answer(model, loaded.tokenizer, records, args.batch_size, desc=f"needles ({name})")
-        seconds[name] = round(time.time() - t0, 1)
-        baseline = name if training_free else baseline
+    models = models_to_measure(args, loaded, head_map, state_off=not args.no_state_off)
+    baseline = next((name for name, _, _, training_free in models if training_free), None)
+
+    def measure_one(name, model, closed) -> list[dict]:
+        with ablate_states(model) if closed else contextlib.nullcontext():
+            return answer(model, loaded.tokenizer, records, args.batch_size, desc=f"needles ({name})")
+
     shapes = [s.name for s in args.shape_list]
+    settings = {
+        "shapes": shapes, "new_tokens": [SHAPES[n].new_tokens for n in shapes], "lengths": args.length_list,
+        "depths": args.depth_list, "trials": args.trials, "seed": args.seed, "batch_size": args.batch_size,
+    }  # fmt: skip
+    inputs = [[r["shape"], r["length"], r["text"], r["key"], r["keys"]] for r in records]
+    measured = references.measure_models(models, measure_one, "needles", settings, inputs, head_map.selected, not args.no_reuse)
+    answers = {name: result for name, (result, _, _) in measured.items()}
     rows = summarise(records, answers, shapes, args.length_list, baseline)
     for name in rows:
-        rows[name]["seconds"] = seconds[name]
+        rows[name]["seconds"], rows[name]["reused"] = measured[name][1], measured[name][2]
     for i, record in enumerate(records):
         record.pop("text")
         record["answers"] = {name: answers[name][i] for name in answers}
