@@ -17,7 +17,9 @@ in this order, each one ``rfkit`` command in a fresh interpreter, its output in 
    with the model's state off and the training-free baseline at the same bytes on the same heads
    -> ``seed<N>/context/context.json``;
 4. per seed: ``rfkit eval needles`` (five needle shapes at 2,048 and 4,096 tokens, the original and
-   the training-free model on the same prompts) -> ``seed<N>/needles/needles.json``;
+   the training-free model on the same prompts) -> ``seed<N>/needles/needles.json``; after the
+   first seed both evaluations reuse the original's and the training-free model's results
+   (:mod:`rfkit.evals.references`: the same prompts, weights and heads);
 
 ``--context-args`` and ``--needles-args`` add to those two commands' flags (a flag given again
 wins), e.g. ``--needles-args "--lengths 2048"``.
