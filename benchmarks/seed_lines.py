@@ -52,6 +52,7 @@ sys.path.insert(0, str(HERE))
 
 from tables import load
 from tables.front import SHIPPED_B075, SHIPPED_B09, needle_counts, training_free_name
+from tables.lines import markdown
 
 from rfkit.atomic import atomic_write_json, atomic_write_text
 from rfkit.provenance import command_line, stamp
@@ -171,29 +172,6 @@ def check_speed(beta: float, speed: dict) -> list[dict]:
             got = rows[n]["decode_ratio"]
             out.append(_line(f"decode at {n} >= {least}x", f"{got:.2f}x", got >= least))
     return out
-
-
-def markdown(result: dict) -> str:
-    """The lines as one table: a row per line, a column per seed."""
-    seeds = result["seeds"]
-    names = list(dict.fromkeys(line["line"] for s in seeds for line in s["lines"]))
-    head = f"| beta {result['beta']}, `{result['recipe']}` | " + " | ".join(f"seed {s['seed']}" for s in seeds) + " |"
-    out = [head, "|---|" + "---:|" * len(seeds)]
-    for name in names:
-        cells = []
-        for s in seeds:
-            line = next((x for x in s["lines"] if x["line"] == name), None)
-            cells.append("-" if line is None else f"{line['value']} {'met' if line['ok'] else '**missed**'}")
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    for line in result["speed"]["lines"]:
-        cell = f"{line['value']} {'met' if line['ok'] else '**missed**'}"
-        out.append(f"| {line['line']} ({result['speed']['model']}) | {cell} |" + " - |" * (len(seeds) - 1))
-    verdict = "every line met" if result["all_met"] else "not every line met"
-    if result["shipped"]:
-        return (
-            "\n".join(out) + f"\n\n{verdict}; from the result files behind the README's beta {result['beta']} table\n"
-        )
-    return "\n".join(out) + f"\n\n{verdict}; the recipe's fits with `{result['overrides'] or 'no overrides'}`\n"
 
 
 # -- the steps -------------------------------------------------------------------------------
