@@ -224,7 +224,7 @@ def run(args) -> int:
     settings = {"source": args.source, "lengths": args.length_list, "tokens": args.tokens, "passkey": passkey_settings}
     measured = references.measure_models(
         models_to_measure(args, loaded, head_map), measure_one, "context", settings, blocks, head_map.selected,
-        not args.no_reuse, references.pairs, references.unpairs,
+        not args.no_reuse,
     )  # fmt: skip
     rows = {name: {**row, "seconds": seconds, "reused": reused} for name, (row, seconds, reused) in measured.items()}
     first = rows["original"]

@@ -109,34 +109,30 @@ def path_for(cache_key: str) -> Path:
     return cache_dir() / "eval_references" / f"{cache_key}.json"
 
 
-def reuse_or_measure(
-    cache_key: str, measure: Callable[[], dict], reuse: bool = True, encode=None, decode=None
-) -> tuple[dict, bool]:
+def reuse_or_measure(cache_key: str, measure: Callable[[], dict], reuse: bool = True) -> tuple[dict, bool]:
     """``(result, reused)``: the stored result under ``cache_key`` when there is one and
-    ``reuse``, else ``measure()``, stored for the next run. ``encode`` / ``decode`` turn the
-    result into JSON and back (for keys that are not strings)."""
+    ``reuse``, else ``measure()``, stored for the next run (through :func:`pairs`: keys that are
+    not strings survive JSON)."""
     from rfkit.atomic import atomic_write_json
 
     path = path_for(cache_key)
     if reuse and path.is_file():
         try:
             stored = json.loads(path.read_text())
-            result = decode(stored["result"]) if decode else stored["result"]
+            result = unpairs(stored["result"])
             log.info("reusing a reference's result from an earlier run: %s", path)
             return result, True
         except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable: measured and written again
             log.warning("ignoring %s (%s); measuring again", path, err)
     result = measure()
     try:
-        atomic_write_json(path, {"key": cache_key, "result": encode(result) if encode else result})
+        atomic_write_json(path, {"key": cache_key, "result": pairs(result)})
     except OSError as err:  # a read-only cache costs the next run its time, never this run
         log.warning("could not store %s: %s", path, err)
     return result, False
 
 
-def measure_models(
-    models, measure_one, command: str, settings: dict, inputs, heads, reuse: bool = True, encode=None, decode=None
-):
+def measure_models(models, measure_one, command: str, settings: dict, inputs, heads, reuse: bool = True):
     """Each of :func:`rfkit.evals.context.models_to_measure`'s ``(name, model, state_off,
     training_free)`` measured by ``measure_one(name, model, state_off)``, the original and the
     training-free model through the cache (``inputs``: the prompts or blocks, digested once;
@@ -155,9 +151,7 @@ def measure_models(
         if name == "original" or training_free:
             reference = "original" if name == "original" else name
             cache_key = key(command, settings, digest, model, reference, heads if training_free else None)
-            code = (lambda d: {"result": encode(d["result"]), "seconds": d["seconds"]}) if encode else None
-            uncode = (lambda d: {"result": decode(d["result"]), "seconds": d["seconds"]}) if decode else None
-            done, reused = reuse_or_measure(cache_key, timed, reuse, code, uncode)
+            done, reused = reuse_or_measure(cache_key, timed, reuse)
         else:
             done, reused = timed(), False
         out[name] = (done["result"], done["seconds"], reused)
