@@ -103,6 +103,22 @@ def test_bad_input_is_one_line_and_exit_2(seed_lines, args, message, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_both_recipes_are_profiled_untimed_before_the_first_fit(seed_lines, tmp_path):
+    """The profile cache is filled before any timed fit: a default fit that fills it on a fresh
+    machine spent 72 s of 9.2 min in it (benchmarks/results/seed_lines/b09_l3k_epyc_bf16/reference)."""
+    overrides = ["--model.head_map", "m.json", "--trainer.max_steps", "3", "--data.long_seq_len", "3072"]
+    opts = seed_lines.parse(["--recipe", SMOLLM, "--seeds", "1", "--output", str(tmp_path / "o"), "--", *overrides])
+    steps = seed_lines.plan(opts)
+    assert [s.name for s in steps][:4] == ["recipe profile", "reference profile", "reference fit", "seed 1: fit"]
+    recipe, reference = steps[0].args, steps[1].args
+    assert recipe[:3] == ["profile", "--config", SMOLLM]
+    assert recipe[3:-2] == ["--model.head_map", "m.json", "--data.long_seq_len", "3072"]  # no trainer flags
+    assert reference[:3] == ["profile", "--config", seed_lines.REFERENCE] and reference[3] == "--output"
+    assert steps[3].args[-len(overrides) :] == overrides  # the fits keep every override
+    opts = seed_lines.parse(["--recipe", SMOLLM, "--reference", "none", "--output", str(tmp_path / "o")])
+    assert [s.name for s in seed_lines.plan(opts)][:2] == ["recipe profile", "seed 0: fit"]
+
+
 @pytest.mark.slow
 def test_a_tiny_run_fits_evaluates_checks_and_resumes(
     seed_lines, tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys
@@ -136,7 +152,10 @@ def test_a_tiny_run_fits_evaluates_checks_and_resumes(
         "--", *overrides,
     ]  # fmt: skip
     assert seed_lines.main(args) == 0, capsys.readouterr().err
-    assert [cmd[:2] for cmd in ran] == [["fit", "--config"], ["eval", "context"], ["eval", "needles"]]
+    assert [cmd[:2] for cmd in ran] == [["profile", "--config"], ["fit", "--config"], ["eval", "context"], ["eval", "needles"]]
+    warm = ran.pop(0)  # the recipe's profile first, with the overrides rfkit profile takes
+    assert "--model.dtype" in warm and "--trainer.max_steps" not in warm
+    assert (runs / "seed_profile" / "head_map.json").is_file()
     assert ran[0][2:5] == [SMOLLM, "--seed_everything", "3"] and "--trainer.max_steps" in ran[0]
     summary = json.loads((out / "seed3" / "fit_summary.json").read_text())
     model = summary["model_dir"]
