@@ -19,9 +19,11 @@ def markdown(result: dict) -> str:
             line = next((x for x in s["lines"] if x["line"] == name), None)
             cells.append("-" if line is None else f"{line['value']} {'met' if line['ok'] else '**missed**'}")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
-    for line in result["speed"]["lines"]:
-        cell = f"{line['value']} {'met' if line['ok'] else '**missed**'}"
-        out.append(f"| {line['line']} ({result['speed']['model']}) | {cell} |" + " - |" * (len(seeds) - 1))
+    speeds = result["speed"]  # one entry per machine and dtype measured (a single dict before 2026-12-02)
+    for speed in [speeds] if isinstance(speeds, dict) else speeds:
+        for line in speed["lines"]:
+            cell = f"{line['value']} {'met' if line['ok'] else '**missed**'}"
+            out.append(f"| {line['line']} ({speed['model']}) | {cell} |" + " - |" * (len(seeds) - 1))
     verdict = "every line met" if result["all_met"] else "not every line met"
     if result["shipped"]:
         return (
