@@ -3,13 +3,16 @@ margin on ``rfkit eval needles`` prompts, with every state on, with each layer's
 switched off, with every state off, and for the original.
 
     python benchmarks/needle_margins.py MODEL [--shape plays] [--lengths 2048,4096] [--depths 1]
-        [--trials 2] [--seed 0] [--output DIR]
+        [--trials 2] [--seed 0] [--token first|whole] [--output DIR]
 
 The prompts are the ones ``rfkit eval needles`` asks (same shape, lengths, depths, trials and
 seed, so the same keys). For each prompt the *margin* is the log-probability of the key's first
 token minus the best other token's, at the position that answers: above 0 the greedy answer
 starts with the key. A needle eval counts four prompts as 2 of 4; the margin says how far each
-one is from flipping, and which layer's state moves it. ``MODEL`` is a converted model directory
+one is from flipping, and which layer's state moves it. ``--token whole``: the smallest margin over
+all of the key's tokens instead (each following the key's tokens before it, teacher forced), for
+keys of many tokens (``long``: 20 digits) that a model can start right and end wrong; above 0 the
+greedy answer is the whole key, and the report names the weakest token. ``MODEL`` is a converted model directory
 whose mixers have a state ablation (the hybrid and hybrid-Mamba operators). Costs one forward per
 prompt of the original and ``2 + layers with a state`` of the converted model. Writes
 ``needle_margins.json`` (with provenance) and ``needle_margins.md`` into ``--output`` (default:
@@ -32,7 +35,10 @@ from rfkit.models.mixer import ablatable_mixers, ablate_states
 from rfkit.provenance import stamp
 
 
-def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int) -> dict:
+TOKENS = {"first": "first", "whole": "margin"}  # --token -> the entry of key_margins.margins' rows
+
+
+def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int, token: str = "first") -> dict:
     converted = load_model(model_dir)
     if not ablatable_mixers(converted.model):
         raise SystemExit(f"{model_dir}: no mixer with a state to switch off (the hybrid and hybrid-Mamba operators have one)")
@@ -40,6 +46,7 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
     prompts = prompt_pairs(tok, records)  # tokenized as rfkit eval needles tokenizes them
     original = load_model(model_dir, original=True).model.eval()
+    which = TOKENS[token]
     rows = {"original": margins(original, prompts)}  # "first": the first answer token's margin
     del original
     model = converted.model.eval()
@@ -50,25 +57,36 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     for layer, mixers in tqdm(stateful_layers(model).items(), desc="one state off", unit="layer"):
         with states_off(mixers):
             got = margins(model, prompts)
-        layers.append({"layer": layer, "margins": [g["first"] for g in got]})
+        layers.append({"layer": layer, "margins": [g[which] for g in got]})
     for row in layers:
-        row["change"] = [round(m - on["first"], 4) for m, on in zip(row["margins"], rows["every state on"])]
+        row["change"] = [round(m - on[which], 4) for m, on in zip(row["margins"], rows["every state on"])]
     described = [{"length": r["length"], "depth": r["depth"], "trial": r["trial"], "key": r["key"], "key_token": answer[0]} for r, (_, answer) in zip(records, prompts)]
     for d, on in zip(described, rows["every state on"]):
-        d["top_with_state"] = tok.decode([on["top"]])
-    return {"model": model_dir, "shape": shape, "lengths": lengths, "depths": depths, "trials": trials, "seed": seed,
-            "prompts": described, "rows": {k: [x["first"] for x in v] for k, v in rows.items()}, "layers": layers}  # fmt: skip
+        d["top_with_state"] = tok.decode([on["top"]])  # at the first answer token
+        d["weakest_with_state"] = on["weakest"]  # which key token has the smallest margin (0: the first)
+    return {"model": model_dir, "shape": shape, "lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "token": token,
+            "prompts": described, "rows": {k: [x[which] for x in v] for k, v in rows.items()}, "layers": layers}  # fmt: skip
 
 
 def markdown(result: dict) -> str:
     heads = [f"{p['length']:,} d{p['depth']:g} #{p['trial']}" for p in result["prompts"]]
+    what = (
+        "the smallest margin over the key's tokens (log p of each key token minus the best other token's, the key's tokens before it given; above 0: the whole key)"
+        if result.get("token") == "whole"
+        else "first answer token's margin (log p of the key's first token minus the best other token's; above 0: the key)"
+    )
     lines = [
-        f"{result['model']}: first answer token's margin (log p of the key's first token minus the best other token's; above 0: the key) on `{result['shape']}` needles",
+        f"{result['model']}: {what} on `{result['shape']}` needles",
         "",
         "| model | " + " | ".join(heads) + " |",
         "|---|" + "---:|" * len(heads),
         *(f"| {name} | " + " | ".join(f"{m:+.2f}" for m in row) + " |" for name, row in result["rows"].items()),
-        "| best token with every state on | " + " | ".join(repr(p["top_with_state"]) for p in result["prompts"]) + " |",
+        "| best first token with every state on | " + " | ".join(repr(p["top_with_state"]) for p in result["prompts"]) + " |",
+        *(
+            ["| weakest key token with every state on (0: the first) | " + " | ".join(str(p["weakest_with_state"]) for p in result["prompts"]) + " |"]
+            if result.get("token") == "whole"
+            else []
+        ),
         "",
         "Margin change when one layer's state alone is off (positive: that layer's state pushes the answer away from the key), by mean change:",
         "",
@@ -88,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="1")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token", default="first", choices=sorted(TOKENS), help="first: the first answer token's margin; whole: the smallest over the key's tokens")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if needles.SHAPES[args.shape].needles != 1:
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    result = stamp(report(args.model, args.shape, lengths, depths, args.trials, args.seed), started)
+    result = stamp(report(args.model, args.shape, lengths, depths, args.trials, args.seed, args.token), started)
     out = Path(args.output or args.model)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "needle_margins.json", result)

@@ -50,3 +50,27 @@ def test_a_shape_with_several_keys_is_refused(tmp_path):
     script = load_script("benchmarks/needle_margins.py")
     with pytest.raises(SystemExit, match="--shape: multi hides several keys"):
         script.main([str(tmp_path), "--shape", "multi"])
+
+
+@pytest.mark.slow
+def test_the_whole_key_margin_is_the_weakest_of_its_tokens(converted_dir, tmp_path):
+    """--token whole: the smallest margin over the key's tokens, never above the first token's."""
+    from transformers import AutoTokenizer
+
+    script = load_script("benchmarks/needle_margins.py")
+    common = [str(converted_dir), "--shape", "long", "--lengths", "160", "--depths", "0,1", "--trials", "1"]
+    assert script.main([*common, "--output", str(tmp_path / "first")]) == 0
+    assert script.main([*common, "--token", "whole", "--output", str(tmp_path / "whole")]) == 0
+    first = json.loads((tmp_path / "first" / "needle_margins.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "needle_margins.json").read_text())
+    assert first["token"] == "first" and whole["token"] == "whole"
+    assert [p["key"] for p in whole["prompts"]] == [p["key"] for p in first["prompts"]]
+    digits = len(str(whole["prompts"][0]["key"]))
+    tok = AutoTokenizer.from_pretrained(str(converted_dir))
+    assert len(tok(" " + str(whole["prompts"][0]["key"]))["input_ids"]) >= digits  # a key of many tokens
+    for name in whole["rows"]:
+        for w, f in zip(whole["rows"][name], first["rows"][name]):
+            assert w <= f + 1e-9, name
+    assert any(w < f for w, f in zip(whole["rows"]["every state on"], first["rows"]["every state on"]))
+    assert all(0 <= p["weakest_with_state"] < digits + 1 for p in whole["prompts"])
+    assert "weakest key token" in (tmp_path / "whole" / "needle_margins.md").read_text()
