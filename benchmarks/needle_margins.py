@@ -39,6 +39,7 @@ TOKENS = {"first": "first", "whole": "margin"}  # --token -> the entry of key_ma
 
 
 def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], trials: int, seed: int, token: str = "first") -> dict:
+    which = TOKENS[token]  # the entry of each prompt's margins that the rows report
     converted = load_model(model_dir)
     if not ablatable_mixers(converted.model):
         raise SystemExit(f"{model_dir}: no mixer with a state to switch off (the hybrid and hybrid-Mamba operators have one)")
@@ -46,8 +47,7 @@ def report(model_dir: str, shape: str, lengths: list[int], depths: list[float], 
     records = needles.prompts(tok, needles.parse_shapes(shape), lengths, depths, trials, seed)
     prompts = prompt_pairs(tok, records)  # tokenized as rfkit eval needles tokenizes them
     original = load_model(model_dir, original=True).model.eval()
-    which = TOKENS[token]
-    rows = {"original": margins(original, prompts)}  # "first": the first answer token's margin
+    rows = {"original": margins(original, prompts)}  # every margin of each prompt; `which` picks one below
     del original
     model = converted.model.eval()
     rows["every state on"] = margins(model, prompts)
