@@ -21,6 +21,7 @@ from rfkit.data.documents import SPLITS, _one_line, cut_blocks, join_tokens, loa
 from rfkit.data.documents import split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.long import interleaved_loader, long_source_message
+from rfkit.data.recall import DIGITS
 from rfkit.data.sampling import ResumableShuffle, _Blocks
 from rfkit.data.sources import CHECK_TEXT_JSON_BYTES, _source_signature, check_source, check_text, load_documents
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, ModelSource, SourceError, cache_dir, is_embedded
@@ -86,6 +87,7 @@ class TextDataModule(L.LightningDataModule):
         long_recall: int = 0,
         long_recall_gap: int = 256,
         long_recall_max_gap: int | None = None,
+        long_recall_digits: tuple[int, int] = DIGITS,
     ):
         """Text source, tokenisation and packing settings.
 
@@ -131,6 +133,8 @@ class TextDataModule(L.LightningDataModule):
             long_recall_max_gap: Most tokens between a record and its recall line (null: up to
                 the block's end). Below the hybrid's window, the recall asks the model to quote
                 what its exact window still holds.
+            long_recall_digits: Fewest and most digits of a planted record's number, as
+                ``[fewest, most]``; each record draws its length between them.
         """
         super().__init__()
         self.source = str(source)
@@ -154,6 +158,7 @@ class TextDataModule(L.LightningDataModule):
         self.long_batch_size = long_batch_size
         self.long_recall, self.long_recall_gap = long_recall, long_recall_gap
         self.long_recall_max_gap = long_recall_max_gap
+        self.long_recall_digits = tuple(long_recall_digits) if isinstance(long_recall_digits, (list, tuple)) else long_recall_digits
         self.long_train: torch.Tensor | None = None  # (N, long_seq_len): long_blocks() reads it on first use
 
         self.calibration: torch.Tensor | None = None
@@ -188,6 +193,10 @@ class TextDataModule(L.LightningDataModule):
         gap, most = self.long_recall_gap, self.long_recall_max_gap
         if most is not None and (not _is_int(most) or (_is_int(gap) and most < gap)):
             raise SourceError(f"data.long_recall_max_gap: must be an integer >= data.long_recall_gap ({gap}) or null, got {most!r}")
+        digits = self.long_recall_digits
+        if not (isinstance(digits, tuple) and len(digits) == 2 and all(_is_int(d) for d in digits) and 1 <= digits[0] <= digits[1]):
+            shown = list(digits) if isinstance(digits, tuple) else digits
+            raise SourceError(f"data.long_recall_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got {shown!r}")
         if self.long_recall and self.long_source is None:
             raise SourceError(f"data.long_recall: plants records in the long blocks; set data.long_source or use 0, got {self.long_recall}")
         if not _is_int(self.seed):
@@ -292,11 +301,12 @@ class TextDataModule(L.LightningDataModule):
         known = self.model_source
         return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
-    def recall_planter(self, count: int, gap: int, field: str, max_gap: int | None = None):
-        """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors name ``field``)."""
+    def recall_planter(self, count: int, gap: int, field: str, max_gap: int | None = None, digits: tuple[int, int] | None = None):
+        """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors
+        name ``field``); ``digits`` None: the planter's default lengths."""
         from rfkit.data.recall import RecallPlanter
 
-        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field, max_gap=max_gap)
+        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field, max_gap=max_gap, digits=digits or DIGITS)
 
     def other_train_blocks(self, source: str, seq_len: int, field: str) -> torch.Tensor:
         """The train split of another ``source`` in ``seq_len``-token blocks, this data's tokeniser (errors name ``field``)."""
@@ -506,6 +516,8 @@ class TextDataModule(L.LightningDataModule):
         recall = {"recall": self.long_recall, "recall_gap": self.long_recall_gap} if self.long_recall else {}
         if self.long_recall and self.long_recall_max_gap is not None:
             recall["recall_max_gap"] = self.long_recall_max_gap
+        if self.long_recall and self.long_recall_digits != DIGITS:
+            recall["recall_digits"] = list(self.long_recall_digits)
         return {"long": {**settings, "batch_size": self.long_batch_size, **recall}}
 
 

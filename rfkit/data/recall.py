@@ -19,6 +19,10 @@ replaced head's exact window when it is recalled: the skill asked is then to quo
 holds without the recurrent state drowning it out, which a far recall (only the kept heads and the
 states reach it) never asks.
 
+A record's number has 3 to 6 digits unless ``long_recall_digits: [fewest, most]`` says otherwise:
+a key of 20 digits (``rfkit eval needles``' long keys) asks the model to copy every digit to the
+last, which a five-digit record never does.
+
 Each block's records are fixed by (seed, row): a resumed fit sees the same blocks.
 """
 
@@ -40,6 +44,7 @@ LABELS = (
 RECORD = "\n(Record: the {label} number is {value}.)\n"
 RECALL = "\n(Recall: the {label} number is {value}.)\n"
 TRIES = 64  # placements tried per record before it is left out
+DIGITS = (3, 6)  # a record's number has between 3 and 6 digits unless data.long_recall_digits says otherwise
 
 
 def _encode(tokenizer, template: str, label: str, value: str) -> tuple[list[int], list[bool]]:
@@ -61,11 +66,22 @@ class RecallPlanter:
         gap: Fewest tokens between the end of a record and its recall line.
         max_gap: Most tokens between the end of a record and its recall line (None: up to the
             block's end).
+        digits: Fewest and most digits of a record's number (each record draws its length
+            uniformly between them, then the number).
         seed: With the row index, fixes each block's records.
         field: The setting that asked for records, named in errors.
     """
 
-    def __init__(self, tokenizer, count: int, gap: int, seed: int = 0, field: str = "data.long_recall", max_gap: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        count: int,
+        gap: int,
+        seed: int = 0,
+        field: str = "data.long_recall",
+        max_gap: int | None = None,
+        digits: tuple[int, int] = DIGITS,
+    ):
         if not getattr(tokenizer, "is_fast", False):
             raise SourceError(f"{field}: needs a fast tokenizer (its offsets find the answers); use 0 with this tokenizer")
         self.tokenizer = tokenizer
@@ -74,6 +90,10 @@ class RecallPlanter:
         self.max_gap = None if max_gap is None else int(max_gap)
         if self.max_gap is not None and self.max_gap < self.gap:
             raise SourceError(f"{field}_max_gap: must be >= the gap ({self.gap}) or null, got {self.max_gap}")
+        lo, hi = digits
+        if not 1 <= lo <= hi:
+            raise SourceError(f"{field}_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got {list(digits)}")
+        self.digits = (int(lo), int(hi))
         self.seed = int(seed)
 
     def __call__(self, block: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +105,7 @@ class RecallPlanter:
         taken: list[tuple[int, int]] = []
         length = ids.shape[0]
         for label in rng.sample(LABELS, min(self.count, len(LABELS))):
-            value = str(rng.randint(10 ** (d := rng.randint(3, 6)) // 10, 10**d - 1))
+            value = str(rng.randint(10 ** (d := rng.randint(*self.digits)) // 10, 10**d - 1))
             record, _ = _encode(self.tokenizer, RECORD, label, value)
             recall, answer = _encode(self.tokenizer, RECALL, label, value)
             room = length - len(record) - self.gap - len(recall)
@@ -115,4 +135,6 @@ def planter_for(data) -> RecallPlanter | None:
     """The planter of a :class:`~rfkit.data.TextDataModule`'s ``long_recall`` (None at 0)."""
     if not data.long_recall:
         return None
-    return data.recall_planter(data.long_recall, data.long_recall_gap, "data.long_recall", data.long_recall_max_gap)
+    return data.recall_planter(
+        data.long_recall, data.long_recall_gap, "data.long_recall", data.long_recall_max_gap, tuple(data.long_recall_digits)
+    )

@@ -176,6 +176,10 @@ CASES = [
     ("long-recall-negative", "fit", ["--data.long_recall", "-1"], ["data.long_recall: must be an integer >= 0, got -1"]),
     ("long-recall-without-long-source", "fit", ["--data.long_source", "null", "--data.long_recall", "4"], ["data.long_recall: plants records", "set data.long_source"]),
     ("long-recall-max-gap-below-gap", "fit", ["--data.long_recall_max_gap", "10"], ["data.long_recall_max_gap: must be an integer >= data.long_recall_gap (256) or null, got 10"]),
+    ("long-recall-digits-out-of-order", "fit", ["--data.long_recall_digits", "[6, 3]"],
+     ["data.long_recall_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got [6, 3]"]),  # fmt: skip
+    ("long-recall-digits-zero", "fit", ["--data.long_recall_digits", "[0, 3]"],
+     ["data.long_recall_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got [0, 3]"]),  # fmt: skip
     ("recall-weight-without-records", "fit", ["--model.distill.recall", "1"],
      ["model.distill.recall: 1", "planted by data.long_recall, which is 0"]),  # fmt: skip
     ("policy-recall-negative", "fit", ["--model.policy", "rfkit.policies.StreamedLossPolicy", "--model.policy.init_args.recall", "-1"],

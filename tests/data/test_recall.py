@@ -31,11 +31,12 @@ def block(tokenizer):
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:1024])
 
 
-def _lines(tokenizer, ids: torch.Tensor) -> list[tuple[int, str, str, str]]:
-    """(token position, kind, label, number) of every record and recall line in ``ids``."""
+def _lines(tokenizer, ids: torch.Tensor, width: int = 20) -> list[tuple[int, str, str, str]]:
+    """(token position, kind, label, number) of every record and recall line in ``ids``
+    (``width``: tokens read from each position; a line with a 6-digit number is 17 tokens)."""
     found = []
     for start in range(len(ids)):
-        text = tokenizer.decode(ids[start : start + 20])  # a line with a 6-digit number is 17 tokens
+        text = tokenizer.decode(ids[start : start + width])
         match = PAIR.match(text.lstrip("\n"))
         if match and not (found and start - found[-1][0] < 4):
             found.append((start, *match.groups()))
@@ -142,7 +143,7 @@ def test_a_fit_with_planted_recall_logs_the_answers_loss(tiny_model_dir, tiny_co
     args = [
         "fit", *tiny_args(tiny_model_dir, tiny_corpus, tmp_path),
         "--data.long_recall", "2", "--data.long_recall_gap", "16", "--data.long_recall_max_gap", "24",
-        "--model.distill.recall", "1", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "CSVLogger",
+        "--data.long_recall_digits", "[8, 12]", "--model.distill.recall", "1", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "CSVLogger",
         "--trainer.logger.save_dir", str(tmp_path),
     ]  # fmt: skip
     code, _, err = run_cli(args, capsys)
@@ -153,6 +154,7 @@ def test_a_fit_with_planted_recall_logs_the_answers_loss(tiny_model_dir, tiny_co
     assert logged and all(value > 0 for value in logged)  # the tiny model cannot copy the numbers yet
     config = next(tmp_path.rglob("config.yaml")).read_text()
     assert "long_recall: 2" in config and "recall: 1" in config and "long_recall_max_gap: 24" in config
+    assert re.search(r"long_recall_digits:\s*- 8\s*- 12", config), config
 
 
 def test_a_max_gap_keeps_every_recall_within_it(tokenizer, block):
@@ -173,6 +175,28 @@ def test_a_max_gap_keeps_every_recall_within_it(tokenizer, block):
     far_lines = _lines(tokenizer, far)
     spans = [b[0] - a[0] for a in far_lines for b in far_lines if a[2] == b[2] and a[1] == "Record" and b[1] == "Recall"]
     assert max(spans) > 100  # without it the recall lands anywhere after the record
+
+
+def test_record_numbers_take_the_digits_asked(tokenizer, block):
+    """``digits``: every number has between the fewest and the most digits asked, all of them
+    recalled and masked as answers; the default lengths draw the same blocks as before."""
+    ids, answers = RecallPlanter(tokenizer, count=4, gap=100, seed=0, digits=(20, 20))(block, row=2)
+    lines = _lines(tokenizer, ids, width=40)
+    recalls = [number for _, kind, _, number in lines if kind == "Recall"]
+    records = sorted(number for _, kind, _, number in lines if kind == "Record")
+    assert len(recalls) == 4 and sorted(recalls) == records
+    assert all(len(number) == 20 for number in recalls)
+    assert tokenizer.decode(ids[answers]) == "".join(recalls)
+    mixed = RecallPlanter(tokenizer, count=6, gap=0, seed=0, digits=(8, 12))(block, row=4)[0]
+    lengths = {len(number) for _, _, _, number in _lines(tokenizer, mixed, width=32)}
+    assert lengths and min(lengths) >= 8 and max(lengths) <= 12 and len(lengths) > 1
+    default = RecallPlanter(tokenizer, count=4, gap=100, seed=0)(block, row=2)[0]
+    assert torch.equal(default, RecallPlanter(tokenizer, count=4, gap=100, seed=0, digits=(3, 6))(block, row=2)[0])
+
+
+def test_digits_out_of_order_are_refused_in_one_line(tokenizer):
+    with pytest.raises(SourceError, match=r"^data\.long_recall_digits: must be two integers \[fewest, most\] with 1 <= fewest <= most, got \[6, 3\]$"):
+        RecallPlanter(tokenizer, 2, 64, digits=(6, 3))
 
 
 def test_a_max_gap_below_the_gap_is_refused_in_one_line(tokenizer):
