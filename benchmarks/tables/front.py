@@ -242,21 +242,17 @@ SHIPPED_B075 = Shipped(
     "shipped/b075/free_ppl.json",
     "shipped/b075/context/context.json",
 )
+B09_SEEDS = "seed_lines/b09_recall_digits_kl_epyc_bf16"  # the three seeds and the default fit, one session
 SHIPPED_B09 = Shipped(
     0.9,
     "recipes/smollm2_b09.yaml",
-    (
-        Seed(0, "stateless_b09/sl5_noaudit/fit_summary.json", "stateless_b09/sharpness/noaudit_s0_sharp_1.125/context/context.json",
-             "stateless_b09/sharpness/noaudit_s0_sharp_1.125/needles/needles.json", "fit_time_same_session/b05/fit_summary.json",
-             ppl="stateless_b09/sharpness/noaudit_s0_sharp_1.125/ppl/ppl.json"),
-        Seed(1, "stateless_b09/sl5_noaudit_seed1/fit_summary.json", "stateless_b09/sharpness/noaudit_s1_sharp_1.125/context/context.json",
-             "stateless_b09/sharpness/noaudit_s1_sharp_1.125/needles/needles.json", "fit_time_same_session/b05/fit_summary.json",
-             ppl="stateless_b09/sharpness/noaudit_s1_sharp_1.125/ppl/ppl.json"),
-        Seed(2, "read_sharpness/b09_sl5_seed2/fit_summary.json", "read_sharpness/b09_sl5_seed2/context/context.json",
-             "read_sharpness/b09_sl5_seed2/needles/needles.json", "fit_time_same_session/b05_read_sharpness/fit_summary.json"),
+    tuple(
+        Seed(seed, f"{B09_SEEDS}/seed{seed}/fit_summary.json", f"{B09_SEEDS}/seed{seed}/context/context.json",
+             f"{B09_SEEDS}/seed{seed}/needles/needles.json", f"{B09_SEEDS}/reference/fit_summary.json")
+        for seed in (0, 1, 2)
     ),
-    "shipped/b09/free_ppl.json",
-    "shipped/b09/context/context.json",
+    f"{B09_SEEDS}/free_ppl.json",  # measured on the seeds' machine: bf16 rounds differently per CPU
+    f"{B09_SEEDS}/seed0/context/context.json",  # its training-free row, on the same blocks
 )
 
 
