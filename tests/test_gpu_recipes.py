@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+import yaml
 from helpers import ROOT, parse_recipe, random_ids, tiny_model
 
 from rfkit.config import catalog
@@ -38,7 +39,10 @@ AT_B09 = {
     "llama2_b09_hybrid": {"long_seq_len": [2048, 4096], "position_jitter": 0},
     "qwen2_7b_b09_hybrid": {"long_seq_len": [2048, 8192], "position_jitter": 28672},
 }
-AT_B09_VARIED = ("model.policy", "model.position_jitter", "model.position_jitter_batches")
+AT_B09_VARIED = (
+    "model.policy", "model.position_jitter", "model.position_jitter_batches",
+    "data.init_args.long_recall", "data.init_args.long_recall_digits",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +86,11 @@ def test_hybrid_variant_changes_only_the_operator_and_its_training(name, parsed)
         assert args.long_seq_len == b09["long_seq_len"]
         assert config.model.position_jitter == b09["position_jitter"]
         assert config.model.position_jitter_batches == ("long" if b09["position_jitter"] else base.model.position_jitter_batches)
+        # and the planted long records of recipes/smollm2_b09.yaml, as it sets them
+        smollm2 = yaml.safe_load((ROOT / "recipes" / "smollm2_b09.yaml").read_text())["data"]
+        data = config.data.init_args
+        assert (data.long_recall, list(data.long_recall_digits)) == (smollm2["long_recall"], smollm2["long_recall_digits"])
+        assert data.long_recall == 4 and base.data.init_args.long_recall == 0
     else:
         assert policy == base_policy
     assert config.trainer.default_root_dir == f"runs/{name}"  # never resumes the Mamba run's checkpoints
