@@ -21,7 +21,7 @@ from rfkit.data.documents import SPLITS, _one_line, cut_blocks, join_tokens, loa
 from rfkit.data.documents import split_documents
 from rfkit.data.embedded import _EMBEDDED, default_split
 from rfkit.data.long import interleaved_loader, long_source_message
-from rfkit.data.recall import DIGITS
+from rfkit.data.recall import DIGITS, check_digits
 from rfkit.data.sampling import ResumableShuffle, _Blocks
 from rfkit.data.sources import CHECK_TEXT_JSON_BYTES, _source_signature, check_source, check_text, load_documents
 from rfkit.hub import EMBEDDED_DATA, EMBEDDED_MODEL, ModelSource, SourceError, cache_dir, is_embedded
@@ -193,10 +193,7 @@ class TextDataModule(L.LightningDataModule):
         gap, most = self.long_recall_gap, self.long_recall_max_gap
         if most is not None and (not _is_int(most) or (_is_int(gap) and most < gap)):
             raise SourceError(f"data.long_recall_max_gap: must be an integer >= data.long_recall_gap ({gap}) or null, got {most!r}")
-        digits = self.long_recall_digits
-        if not (isinstance(digits, tuple) and len(digits) == 2 and all(_is_int(d) for d in digits) and 1 <= digits[0] <= digits[1]):
-            shown = list(digits) if isinstance(digits, tuple) else digits
-            raise SourceError(f"data.long_recall_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got {shown!r}")
+        check_digits(self.long_recall_digits, "data.long_recall_digits")
         if self.long_recall and self.long_source is None:
             raise SourceError(f"data.long_recall: plants records in the long blocks; set data.long_source or use 0, got {self.long_recall}")
         if not _is_int(self.seed):
@@ -301,12 +298,11 @@ class TextDataModule(L.LightningDataModule):
         known = self.model_source
         return known if known is not None and known.name == self.tokenizer_name else self.tokenizer_name
 
-    def recall_planter(self, count: int, gap: int, field: str, max_gap: int | None = None, digits: tuple[int, int] | None = None):
-        """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors
-        name ``field``); ``digits`` None: the planter's default lengths."""
+    def recall_planter(self, count: int, gap: int, field: str, max_gap: int | None = None, digits: tuple[int, int] = DIGITS):
+        """A :class:`~rfkit.data.recall.RecallPlanter` with this data's tokeniser and seed (errors name ``field``)."""
         from rfkit.data.recall import RecallPlanter
 
-        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field, max_gap=max_gap, digits=digits or DIGITS)
+        return RecallPlanter(self.tokenizer, count, gap, self.seed, field=field, max_gap=max_gap, digits=digits)
 
     def other_train_blocks(self, source: str, seq_len: int, field: str) -> torch.Tensor:
         """The train split of another ``source`` in ``seq_len``-token blocks, this data's tokeniser (errors name ``field``)."""

@@ -33,6 +33,7 @@ import random
 import torch
 
 from rfkit.hub import SourceError
+from rfkit.validate import is_int
 
 LABELS = (
     "amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "juniper",
@@ -45,6 +46,17 @@ RECORD = "\n(Record: the {label} number is {value}.)\n"
 RECALL = "\n(Recall: the {label} number is {value}.)\n"
 TRIES = 64  # placements tried per record before it is left out
 DIGITS = (3, 6)  # a record's number has between 3 and 6 digits unless data.long_recall_digits says otherwise
+
+
+def check_digits(digits, field: str) -> tuple[int, int]:
+    """``digits`` as ``(fewest, most)``, or a :class:`SourceError` naming ``field`` unless it is two
+    integers with 1 <= fewest <= most (a list from a recipe, a tuple from Python)."""
+    ok = isinstance(digits, (list, tuple)) and len(digits) == 2
+    ok = ok and all(is_int(d) for d in digits) and 1 <= digits[0] <= digits[1]
+    if not ok:
+        shown = list(digits) if isinstance(digits, (list, tuple)) else digits
+        raise SourceError(f"{field}: must be two integers [fewest, most] with 1 <= fewest <= most, got {shown!r}")
+    return int(digits[0]), int(digits[1])
 
 
 def _encode(tokenizer, template: str, label: str, value: str) -> tuple[list[int], list[bool]]:
@@ -90,10 +102,7 @@ class RecallPlanter:
         self.max_gap = None if max_gap is None else int(max_gap)
         if self.max_gap is not None and self.max_gap < self.gap:
             raise SourceError(f"{field}_max_gap: must be >= the gap ({self.gap}) or null, got {self.max_gap}")
-        lo, hi = digits
-        if not 1 <= lo <= hi:
-            raise SourceError(f"{field}_digits: must be two integers [fewest, most] with 1 <= fewest <= most, got {list(digits)}")
-        self.digits = (int(lo), int(hi))
+        self.digits = check_digits(digits, f"{field}_digits")
         self.seed = int(seed)
 
     def __call__(self, block: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
