@@ -41,6 +41,9 @@ class DistillConfig:
         long_ce: Weight of the cross-entropy on the long blocks that ``data.long_source`` mixes
             into training (``null``: ``ce``). ``0`` distils them alone: the student learns the
             original's long-context behaviour, not the long source's text.
+        long_kl: Weight of the KL to the teacher on those long blocks (``null``: ``kl``). ``0``
+            trains them on the cross-entropy alone and skips the teacher's forward on them (with
+            ``hidden: 0``): at 4,096 tokens that forward is most of a long batch's extra cost.
         recall: Weight of a cross-entropy on the planted answers alone (``data.long_recall``:
             the numbers a recall line must copy from far back), added to the loss of the long
             batches that carry them. 0: the answers count as any other token.
@@ -52,15 +55,19 @@ class DistillConfig:
     hidden: float = 0.0
     share_modules: bool = True
     long_ce: float | None = None
+    long_kl: float | None = None
     recall: float = 0.0
 
     def __post_init__(self):
-        for name in ("ce", "kl", "hidden", "recall") + (("long_ce",) if self.long_ce is not None else ()):
+        optional = tuple(name for name in ("long_ce", "long_kl") if getattr(self, name) is not None)
+        for name in ("ce", "kl", "hidden", "recall") + optional:
             in_range(f"model.distill.{name}", getattr(self, name), 0, finite=True, error=DistillError)
         if self.ce == 0 and self.kl == 0 and self.hidden == 0:
             raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
-        if self.long_ce == 0 and self.kl == 0 and self.hidden == 0:
-            raise DistillError("model.distill: long_ce, kl and hidden are all 0; the long blocks would have no loss")
+        long = {"long": True}
+        if self.ce_weight(long) == 0 and self.kl_weight(long) == 0 and self.hidden == 0:
+            names = ", ".join(n if getattr(self, n) is not None else n.removeprefix("long_") for n in ("long_ce", "long_kl"))
+            raise DistillError(f"model.distill: {names} and hidden are all 0; the long blocks would have no loss")
         in_range("model.distill.temperature", self.temperature, 0, low_open=True, finite=True, error=DistillError)
 
     def ce_weight(self, batch: dict) -> float:
@@ -68,9 +75,15 @@ class DistillConfig:
         ``long`` by the interleaved loader) when it is set, else ``ce``."""
         return self.long_ce if batch.get("long") and self.long_ce is not None else self.ce
 
+    def kl_weight(self, batch: dict) -> float:
+        """The KL weight of ``batch``: ``long_kl`` for a batch of long blocks when it is set, else
+        ``kl``."""
+        return self.long_kl if batch.get("long") and self.long_kl is not None else self.kl
+
     @property
     def needs_teacher(self) -> bool:
-        return self.kl > 0 or self.hidden > 0
+        """Whether any batch reads the teacher (short or long)."""
+        return self.kl > 0 or (self.long_kl or 0) > 0 or self.hidden > 0
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,7 +242,8 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
         loss, ce, _ = rowwise_loss(out.logits[:, :-1], targets=targets)
         return loss, {"ce": ce}
     reference = None
-    if config.needs_teacher:
+    kl_weight = config.kl_weight(batch)
+    if kl_weight > 0 or need_hidden:  # a batch without either never runs the teacher
         if teacher is None:
             raise DistillError("model.distill: the kl and hidden terms need a teacher")
         reference = teacher(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=need_hidden, **positions)
@@ -238,14 +252,14 @@ def training_loss(model, batch: dict, config: DistillConfig | None = None, teach
     loss, ce, kl = rowwise_loss(
         out.logits[:, :-1],
         targets=targets,
-        teacher=reference.logits[:, :-1] if config.kl > 0 else None,
+        teacher=reference.logits[:, :-1] if kl_weight > 0 else None,
         temperature=config.temperature,
         kl_mask=keep,
         ce_weight=config.ce_weight(batch),
-        kl_weight=config.kl,
+        kl_weight=kl_weight,
     )
     parts = {"ce": ce}
-    if config.kl > 0:
+    if kl_weight > 0:
         parts["kl"] = kl
     if need_hidden:
         hidden = hidden_loss(out.hidden_states, reference.hidden_states)

@@ -316,6 +316,10 @@ def test_rowwise_loss_is_weighted_ce_plus_kl(temperature):
         ({"ce": 0, "kl": 0, "hidden": 0}, "at least one weight must be > 0"),
         ({"long_ce": -0.5}, "model.distill.long_ce: -0.5 is not allowed"),
         ({"long_ce": 0, "kl": 0}, "long_ce, kl and hidden are all 0"),
+        ({"long_kl": -1}, "model.distill.long_kl: -1 is not allowed"),
+        ({"long_kl": float("nan")}, "model.distill.long_kl: nan is not allowed"),
+        ({"long_ce": 0, "long_kl": 0}, "long_ce, long_kl and hidden are all 0"),
+        ({"ce": 0, "long_kl": 0}, "ce, long_kl and hidden are all 0"),
     ],
 )
 def test_distill_settings_are_checked(kwargs, message):
@@ -341,6 +345,43 @@ def test_long_ce_weighs_the_cross_entropy_of_long_batches_only():
     assert float(long) == pytest.approx(float(long_parts["kl"]), rel=1e-6)  # no CE on the long batch
     assert float(plain) == pytest.approx(float(short), rel=1e-6)
     assert config.ce_weight({"long": False}) == 1.0 and config.ce_weight({"long": True}) == 0.0
+
+
+class CountingTeacher:
+    """A teacher that counts its forwards."""
+
+    def __init__(self, teacher):
+        self.teacher, self.calls = teacher, 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return self.teacher(**kwargs)
+
+
+def test_long_kl_zero_trains_long_batches_on_cross_entropy_without_the_teacher():
+    """``long_kl: 0``: a long batch's loss is its cross-entropy alone and the teacher never runs
+    on it (the forward it saves is the point); a short batch keeps CE + KL; unset, the long batch
+    keeps ``kl``. ``kl: 0`` with ``long_kl`` > 0 still needs the teacher."""
+    from rfkit.training.distill import training_loss
+
+    _, model = converted()
+    teacher = CountingTeacher(SharedTeacher(model))
+    ids = random_ids(2, 16)
+    config = DistillConfig(ce=1.0, kl=1.0, long_kl=0.0)
+    with torch.no_grad():
+        short, parts = training_loss(model, {"input_ids": ids}, config, teacher)
+        assert teacher.calls == 1
+        long, long_parts = training_loss(model, {"input_ids": ids, "long": True}, config, teacher)
+        assert teacher.calls == 1  # no teacher forward for the long batch
+        plain, plain_parts = training_loss(model, {"input_ids": ids, "long": True}, DistillConfig(ce=1.0, kl=1.0), teacher)
+        assert teacher.calls == 2
+    assert float(parts["kl"]) > 0 and "kl" not in long_parts and "kl" in plain_parts
+    assert float(long) == pytest.approx(float(long_parts["ce"]), rel=1e-6)
+    assert float(long_parts["ce"]) == pytest.approx(float(parts["ce"]), rel=1e-6)  # the same ids, the same CE
+    assert float(plain) == pytest.approx(float(short), rel=1e-6) and float(long) < float(short)
+    assert config.kl_weight({"long": False}) == 1.0 and config.kl_weight({"long": True}) == 0.0
+    assert config.needs_teacher and DistillConfig(kl=0.0, long_kl=0.5).needs_teacher
+    assert not DistillConfig(kl=0.0).needs_teacher
 
 
 # -- LoRA -----------------------------------------------------------------------------------
