@@ -35,6 +35,7 @@ import rfkit  # noqa: F401  (registers the converted model types)
 FIT_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("mqar"))
 FAMILY = {"llama2": "llama_mha", "qwen2": "qwen2"}  # by name prefix; the rest (SmolLM2) are Llama GQA
 SEQ_LEN, LONG_LEN = 96, 160  # the tiny model takes 256 positions
+RECALL_GAP = 8  # data.long_recall_gap at that scale
 
 
 def family_of(name: str) -> str:
@@ -93,6 +94,8 @@ def scale_args(name: str, model_dir: Path, corpus: Path, root: Path) -> list[str
         args += ["--model.policy.init_args.long_source", str(corpus), "--model.policy.init_args.long_seq_len", json.dumps(scaled)]
     if data_args.get("long_source"):
         args += ["--data.long_source", str(corpus), "--data.long_seq_len", str(LONG_LEN), "--data.long_every", "1"]
+    if data_args.get("long_recall"):  # the records' gap scaled with the blocks: 256 leaves no room in 160 tokens
+        args += ["--data.long_recall_gap", str(RECALL_GAP)]
     if "hops" in data_args:  # HashHop fine-tuning: short chains, a handful of samples
         args += ["--data.chars", "200", "--data.train_samples", "6", "--data.val_samples", "3"]
     if model.get("freeze_schedule"):  # the same stages, the first one step long
@@ -183,6 +186,17 @@ def test_recipe_runs_whole_with_its_own_settings(name, tiny_dirs, tiny_corpus, t
         assert gates[1][1:].all() if heads else not gates[1].any()  # the others as training left them
     else:
         assert "closed_states" not in summary
+    data = recipe.get("data") or {}
+    data = data.get("init_args", data)
+    if data.get("long_recall"):  # the recipe's records fit the tiny long blocks: the dry run trains on some
+        from rfkit.data.recall import DIGITS, RecallPlanter
+
+        saved = yaml.safe_load((run["model"] / "config.yaml").read_text())["data"]["init_args"]
+        assert saved["long_recall"] == data["long_recall"] and saved["long_recall_gap"] == RECALL_GAP
+        digits = tuple(data.get("long_recall_digits", DIGITS))
+        assert tuple(saved["long_recall_digits"]) == digits
+        planter = RecallPlanter(small_tokenizer(tiny_corpus), data["long_recall"], RECALL_GAP, digits=digits)
+        assert any(planter(torch.zeros(LONG_LEN, dtype=torch.long), row)[1].any() for row in range(4))
     read = (recipe.get("state_audit") or {}).get("read_sharpness", 1.0)
     if read != 1.0:  # read sharper than trained, in the saved model's operator record too
         assert summary["read_sharpness"]["read"] == read
