@@ -242,7 +242,7 @@ SHIPPED_B075 = Shipped(
     "shipped/b075/free_ppl.json",
     "shipped/b075/context/context.json",
 )
-B09_SEEDS = "seed_lines/b09_recall_digits_kl_epyc_bf16"  # the three seeds and the default fit, one session
+B09_SEEDS = "seed_lines/b09_long_kl0_every1_read1875_epyc_bf16"  # the three seeds and the default fit, one session
 SHIPPED_B09 = Shipped(
     0.9,
     "recipes/smollm2_b09.yaml",
@@ -251,7 +251,7 @@ SHIPPED_B09 = Shipped(
              f"{B09_SEEDS}/seed{seed}/needles/needles.json", f"{B09_SEEDS}/reference/fit_summary.json")
         for seed in (0, 1, 2)
     ),
-    f"{B09_SEEDS}/free_ppl.json",  # measured on the seeds' machine: bf16 rounds differently per CPU
+    "seed_lines/b09_recall_digits_kl_epyc_bf16/free_ppl.json",  # measured on the seeds' kind of machine: bf16 rounds differently per CPU
     f"{B09_SEEDS}/seed0/context/context.json",  # its training-free row, on the same blocks
 )
 
