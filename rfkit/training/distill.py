@@ -43,7 +43,7 @@ class DistillConfig:
             original's long-context behaviour, not the long source's text.
         long_kl: Weight of the KL to the teacher on those long blocks (``null``: ``kl``). ``0``
             trains them on the cross-entropy alone and skips the teacher's forward on them (with
-            ``hidden: 0``): at 4,096 tokens that forward is most of a long batch's extra cost.
+            ``hidden: 0``): on a CPU at 4,096 tokens that forward is about half of a long step.
         recall: Weight of a cross-entropy on the planted answers alone (``data.long_recall``:
             the numbers a recall line must copy from far back), added to the loss of the long
             batches that carry them. 0: the answers count as any other token.
@@ -66,19 +66,23 @@ class DistillConfig:
             raise DistillError("model.distill: ce, kl and hidden are all 0; at least one weight must be > 0")
         long = {"long": True}
         if self.ce_weight(long) == 0 and self.kl_weight(long) == 0 and self.hidden == 0:
-            names = ", ".join(n if getattr(self, n) is not None else n.removeprefix("long_") for n in ("long_ce", "long_kl"))
+            names = ", ".join(f"long_{n}" if getattr(self, f"long_{n}") is not None else n for n in ("ce", "kl"))
             raise DistillError(f"model.distill: {names} and hidden are all 0; the long blocks would have no loss")
         in_range("model.distill.temperature", self.temperature, 0, low_open=True, finite=True, error=DistillError)
 
+    def _weight(self, name: str, batch: dict) -> float:
+        """``long_<name>`` for a batch of long blocks (marked ``long`` by the interleaved loader)
+        when it is set, else ``<name>``."""
+        long = getattr(self, f"long_{name}")
+        return long if batch.get("long") and long is not None else getattr(self, name)
+
     def ce_weight(self, batch: dict) -> float:
-        """The cross-entropy weight of ``batch``: ``long_ce`` for a batch of long blocks (marked
-        ``long`` by the interleaved loader) when it is set, else ``ce``."""
-        return self.long_ce if batch.get("long") and self.long_ce is not None else self.ce
+        """The cross-entropy weight of ``batch`` (``long_ce`` or ``ce``)."""
+        return self._weight("ce", batch)
 
     def kl_weight(self, batch: dict) -> float:
-        """The KL weight of ``batch``: ``long_kl`` for a batch of long blocks when it is set, else
-        ``kl``."""
-        return self.long_kl if batch.get("long") and self.long_kl is not None else self.kl
+        """The KL weight of ``batch`` (``long_kl`` or ``kl``)."""
+        return self._weight("kl", batch)
 
     @property
     def needs_teacher(self) -> bool:
