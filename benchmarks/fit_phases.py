@@ -1,12 +1,12 @@
-"""Where a fit's time goes: the run's phases, attention transfer split into capture and training,
-and every training step split into its forward, backward and optimizer parts, short and long blocks
-apart.
+"""Where a fit's time goes: the run's phases, attention transfer split into capture (short and long
+blocks apart), evaluations, calibration / read-out and gradient steps, and every training step split
+into its forward, backward and optimizer parts, short and long blocks apart.
 
     python benchmarks/fit_phases.py --output benchmarks/results/fit_phases/bf16.json -- \
         fit --config recipes/smollm2_b05.yaml --trainer.default_root_dir /tmp/fit_phases
 
 Runs the rfkit command as given in this process with one more callback (:class:`StepTimer`, read
-from this file) and hooks on attention transfer's capture; then reads the run's ``summary.json``.
+from this file) and timers on attention transfer's functions (put back afterwards); then reads the run's ``summary.json``.
 Writes one JSON with the provenance of the command, and prints a table. Timings on a shared machine
 are noisy: say whether anything else ran.
 
@@ -138,21 +138,44 @@ def _median(rows: list, key: str) -> float:
 
 
 def timed_capture():
-    """Time attention transfer's capture passes (its ``capture`` function), in place."""
+    """Time attention transfer's parts in place: its capture passes (``capture``; short and long
+    blocks apart, by their length), its evaluations of every block (``evaluate``, run before,
+    after the read-out and after training), the calibration / read-out solve and its gradient
+    steps (``train_blocks``). Returns the running totals; ``spent["undo"]()`` puts the functions back."""
+    from rfkit.models import mixer
     from rfkit.training import transfer
 
-    spent = {"seconds": 0.0, "calls": 0}
-    real = transfer.capture
+    spent = {"seconds": 0.0, "calls": 0, "by_length": {}, "parts": {}}
+    originals = []
+    spent["undo"] = lambda: [setattr(owner, name, real) for owner, name, real in reversed(originals)]
 
-    def capture(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            spent["seconds"] += time.perf_counter() - t0
-            spent["calls"] += 1
+    def timed(owner, name, part, on_done=None):
+        real = getattr(owner, name)
+        originals.append((owner, name, real))
 
-    transfer.capture = capture
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - t0
+                spent["parts"][part] = spent["parts"].get(part, 0.0) + seconds
+                if on_done is not None:
+                    on_done(seconds, *args)
+
+        setattr(owner, name, wrapper)
+
+    def captured(seconds, _model, blocks, *rest):
+        spent["seconds"] += seconds
+        spent["calls"] += 1
+        key = str(int(blocks.shape[-1]))
+        spent["by_length"][key] = spent["by_length"].get(key, 0.0) + seconds
+
+    timed(transfer, "capture", "capture", captured)
+    timed(transfer, "evaluate", "evaluate")
+    timed(mixer, "calibrate_mixer", "calibrate / read-out")
+    timed(transfer, "solve_readout", "calibrate / read-out")
+    timed(transfer, "train_blocks", "gradient steps")
     return spent
 
 
@@ -182,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit:
         if exit.code not in (0, None):
             return int(exit.code) if isinstance(exit.code, int) else 1
+    finally:
+        capture["undo"]()
     summary = json.loads(max(Path(root).rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
     phases = summary.get("phases", {})
     steps = timer.steps
@@ -202,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         "precision": summary.get("precision"),
         "ppl_ratio": summary.get("ppl_ratio"),
         "transfer": {"capture_s": round(capture["seconds"], 3), "capture_calls": capture["calls"],
-                     "training_s": round(phases.get("transfer", 0.0) - capture["seconds"], 3)},  # fmt: skip
+                     "training_s": round(phases.get("transfer", 0.0) - capture["seconds"], 3),
+                     "capture_by_length_s": {k: round(v, 3) for k, v in capture["by_length"].items()},
+                     "parts_s": {k: round(v, 3) for k, v in capture["parts"].items()}},  # fmt: skip
         "train": {"steps_s": round(stepping, 1), "outside_steps_s": round(phases.get("train", 0.0) - stepping, 1), "by_block_length": by_length},
         "steps": steps,
     }
@@ -214,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nphases (s): {phases}")
     print(f"transfer: capture {result['transfer']['capture_s']} s, training {result['transfer']['training_s']} s")
+    print(f"  its parts (s): {result['transfer']['parts_s']}; capture by block length (s): {result['transfer']['capture_by_length_s']}")
     print(f"train: steps {result['train']['steps_s']} s, outside the steps (validation, measurement) {result['train']['outside_steps_s']} s")
     for n, v in by_length.items():
         print(f"  {n}-token blocks: {v['steps']} steps, median forward {v['forward_s']} s, backward {v['backward_s']} s, rest {v['rest_s']} s")

@@ -14,7 +14,10 @@ in this order, each one ``rfkit`` command in a fresh interpreter, its output in 
    ``--data.*`` flags), untimed: a fit's first run on a machine also fills the profile cache that
    later fits read, and the fit-time line compares fits that read it warm;
 1. the default recipe's fit (``--reference``, ``recipes/smollm2_b05.yaml``; ``none`` skips it and
-   the fit-time line): fit times compare only side by side, on one machine in one session;
+   the fit-time line): fit times compare only side by side, on one machine in one session; with
+   ``--reference-after`` it is fitted again right after the last seed's fit, and every seed's time
+   is compared with the mean of the two (this 2-core machine's speed moves within a session: the
+   default fit took 5.5 and 7.2 min two hours apart on 2026-12-02);
 2. per seed: ``rfkit fit --config RECIPE --seed_everything SEED ...`` -> ``seed<N>/fit_summary.json``;
 3. per seed: ``rfkit eval context`` on long documents of 2,048 and 8,192 tokens (16,384 of each),
    with the model's state off and the training-free baseline at the same bytes on the same heads
@@ -54,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from tables import load
-from tables.front import SHIPPED_B075, SHIPPED_B09, needle_counts, training_free_name
+from tables.front import SHIPPED_B075, SHIPPED_B09, load_default_fits, needle_counts, training_free_name
 from tables.lines import markdown
 
 from rfkit.atomic import atomic_write_json, atomic_write_text
@@ -165,10 +168,20 @@ def check_seed(
         )
     )
     if reference is not None:
-        ratio = fit["wall_seconds"] / reference["wall_seconds"]
-        value = f"{ratio:.2f}x ({fit['wall_seconds'] / 60:.1f} vs {reference['wall_seconds'] / 60:.1f} min)"
-        lines.append(_line(f"fit <= {FIT_TIME:g}x the default's", value, ratio <= FIT_TIME))
+        lines.append(fit_time_line(fit, reference))
     return lines
+
+
+def fit_time_line(fit: dict, reference: dict | list[dict]) -> dict:
+    """The fit-time line: the fit's wall time against the default recipe's fit, or against the
+    mean of its fits before and after the seeds' (a list: the machine's speed moves within a
+    session, and a seed fitted between two reference fits is compared with both)."""
+    references = reference if isinstance(reference, (list, tuple)) else [reference]
+    times = [r["wall_seconds"] for r in references]
+    ratio = fit["wall_seconds"] / (sum(times) / len(times))
+    against = " / ".join(f"{t / 60:.1f}" for t in times) + (" min, their mean" if len(times) > 1 else " min")
+    value = f"{ratio:.2f}x ({fit['wall_seconds'] / 60:.1f} vs {against})"
+    return _line(f"fit <= {FIT_TIME:g}x the default's", value, ratio <= FIT_TIME)
 
 
 def check_speed(beta: float, speed: dict) -> list[dict]:
@@ -211,7 +224,7 @@ def plan(opts) -> list[Step]:
                 root,
             )
         )
-    for seed in opts.seeds:
+    for n, seed in enumerate(opts.seeds, 1):
         root, here = runs / f"seed{seed}", out / f"seed{seed}"
         fit = [
             "fit",
@@ -224,6 +237,16 @@ def plan(opts) -> list[Step]:
             *opts.overrides,
         ]
         steps.append(Step(f"seed {seed}: fit", fit, here / "fit_summary.json", root))
+        if n == len(opts.seeds) and opts.reference_after:  # right after the last seed's fit
+            root = runs / "reference_after"
+            steps.append(
+                Step(
+                    "reference fit, after",
+                    ["fit", "--config", opts.reference, "--trainer.default_root_dir", str(root)],
+                    out / "reference_after" / "fit_summary.json",
+                    root,
+                )
+            )
         context = ["eval", "context", *CONTEXT_ARGS, *shlex.split(opts.context_args), "--output", str(here / "context")]
         steps.append(Step(f"seed {seed}: context", context, here / "context" / "context.json", seed=seed))
         needles = ["eval", "needles", *NEEDLES_ARGS, *shlex.split(opts.needles_args), "--output", str(here / "needles")]
@@ -333,12 +356,14 @@ def check(opts) -> dict:
         for s in spec.seeds:
             ppl = load(s.ppl) if s.ppl else None
             lines = check_seed(
-                beta, load(s.fit), load(s.context), load(s.needles), load(s.default_fit), ppl, free, free_ppl
+                beta, load(s.fit), load(s.context), load(s.needles), load_default_fits(s), ppl, free, free_ppl
             )
             seeds.append(_seed_result(s.seed, lines))
         speeds = [_speed(beta, load(name), note) for name, note in SHIPPED_SPEED.get(spec.beta, ())]
     else:
         reference = None if opts.reference == "none" else _read(out / "reference" / "fit_summary.json")
+        if opts.reference_after:
+            reference = [reference, _read(out / "reference_after" / "fit_summary.json")]
         free_ppl = _read(Path(opts.free_ppl)) if opts.free_ppl else None
         recipe, seeds, beta = opts.recipe, [], None
         for seed in opts.seeds:
@@ -381,6 +406,11 @@ def parse(argv: list[str]):
         help=f"the default recipe fitted beside them (default {REFERENCE}); none: no fit-time line",
     )
     p.add_argument(
+        "--reference-after",
+        action="store_true",
+        help="fit the default recipe again after the last seed's fit; each seed's time is compared with the mean of both",
+    )
+    p.add_argument(
         "--context-args", default="", help=f"added to rfkit eval context's (after {shlex.join(CONTEXT_ARGS)})"
     )
     p.add_argument(
@@ -409,6 +439,8 @@ def parse(argv: list[str]):
         raise InputError("--recipe: required (or --shipped)")
     if opts.free_ppl and not Path(opts.free_ppl).is_file():
         raise InputError(f"--free-ppl: no such result file {opts.free_ppl!r}")
+    if opts.reference_after and opts.reference == "none":
+        raise InputError("--reference-after: needs a default recipe to fit (--reference is none)")
     for name in ("recipe", "reference"):
         value = getattr(opts, name)
         if not (name == "reference" and value == "none") and not Path(value).is_file():

@@ -292,11 +292,13 @@ def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, 
 
 class _GramSquare(torch.autograd.Function):
     """``sum(d * (d @ G))`` for a symmetric ``G``, with the gradient ``2 d G`` kept from the
-    forward: one matrix product in all where ``((d @ P) ** 2).sum()`` (``G = P P^T``) takes three."""
+    forward: one matrix product in all where ``((d @ P) ** 2).sum()`` (``G = P P^T``) takes three.
+    The product runs in ``G``'s dtype (``d`` cast to it, the result back to ``d``'s), the sum in
+    ``d``'s."""
 
     @staticmethod
     def forward(ctx, d, G):
-        dG = d @ G
+        dG = (d.to(G.dtype) @ G).to(d.dtype)
         ctx.save_for_backward(dG)
         return (d * dG).sum()
 
@@ -310,7 +312,10 @@ def mapped_mse(d: torch.Tensor, gram: torch.Tensor | None, proj: torch.Tensor | 
     """``F.mse_loss(d @ proj, 0)`` (plain ``d``'s mean square without ``proj``) through the Gram
     matrix ``gram = proj @ proj.T``: the error of the block's output after ``W_O`` without mapping
     the prediction and the target through it every step (``d_out <= hidden``: at most the same
-    work, a third of it for one KV group of three)."""
+    work, a third of it for one KV group of three). The product ``d @ gram`` runs in ``gram``'s
+    dtype: :func:`train_blocks` gives it bf16 when the targets were captured in bf16 (a bf16 model:
+    in float32 this product was about a quarter of a transfer step; bf16 runs it about four times
+    faster), float32 otherwise."""
     if proj is None:
         return d.pow(2).mean()
     return _GramSquare.apply(d, gram) / (d[..., 0].numel() * proj.shape[1])
@@ -352,7 +357,11 @@ def train_blocks(
     devices = {i: _device_of(m) for i, m in mixers.items()}
     proj = {i: (projections or {}).get(i) for i in mixers}
     proj = {i: None if p is None else p.to(devices[i], torch.float32) for i, p in proj.items()}  # uploaded once
-    gram = {i: None if p is None else p @ p.T for i, p in proj.items()}  # (d_out, d_out): the loss's only product
+    # (d_out, d_out): the loss's only product, in the captured targets' dtype (what the original
+    # computed in: bf16 for a bf16 model, whose matrix products the CPU or GPU runs natively);
+    # the error d, its square and the sum stay float32
+    low = {i: torch.bfloat16 if data[i][1].dtype == torch.bfloat16 else torch.float32 for i in mixers}
+    gram = {i: None if p is None else (p @ p.T).to(low[i]) for i, p in proj.items()}
 
     def mapped(i, x):
         return x if proj[i] is None else x @ proj[i]

@@ -20,6 +20,14 @@ def test_a_tiny_fit_is_split_into_phases_and_step_parts(tiny_model_dir, tiny_cor
     assert result["provenance"]["command"].startswith("python benchmarks/fit_phases.py --output ")
     assert set(result["phases_s"]) >= {"load", "transfer", "train"}
     assert result["transfer"]["capture_calls"] >= 1 and result["transfer"]["capture_s"] > 0
+    transfer = result["transfer"]
+    assert sum(transfer["capture_by_length_s"].values()) == pytest.approx(transfer["capture_s"], abs=0.01)
+    parts = transfer["parts_s"]
+    assert set(parts) >= {"capture", "evaluate", "gradient steps"} and all(v > 0 for v in parts.values())
+    assert sum(parts.values()) <= result["phases_s"]["transfer"] + 0.5  # parts of the stage, not more
+    from rfkit.training import transfer as module
+
+    assert module.capture.__module__ == "rfkit.training.transfer"  # put back after the run
     by_length = result["train"]["by_block_length"]
     assert sum(v["steps"] for v in by_length.values()) == 2  # the tiny fit's two steps
     assert len(by_length) == 2  # a short batch and a long block (the recipe's long mix)

@@ -125,6 +125,28 @@ def test_both_recipes_are_profiled_untimed_before_the_first_fit(seed_lines, tmp_
     assert [s.name for s in seed_lines.plan(opts)][:2] == ["recipe profile", "seed 0: fit"]
 
 
+def test_reference_after_refits_the_default_right_after_the_last_seeds_fit(seed_lines, tmp_path):
+    out = tmp_path / "o"
+    opts = seed_lines.parse(["--recipe", SMOLLM, "--seeds", "2,0", "--reference-after", "--output", str(out)])
+    names = [s.name for s in seed_lines.plan(opts)]
+    assert names.index("reference fit, after") == names.index("seed 0: fit") + 1  # the last seed's fit, then it
+    after = seed_lines.plan(opts)[names.index("reference fit, after")]
+    assert after.args[:3] == ["fit", "--config", seed_lines.REFERENCE]
+    assert after.result == out / "reference_after" / "fit_summary.json"
+    assert "reference fit, after" not in [s.name for s in seed_lines.plan(seed_lines.parse(["--recipe", SMOLLM, "--output", str(out)]))]
+    with pytest.raises(seed_lines.InputError, match="--reference-after: needs a default recipe"):
+        seed_lines.parse(["--recipe", SMOLLM, "--reference", "none", "--reference-after", "--output", str(out)])
+
+
+def test_the_fit_time_line_compares_with_the_mean_of_the_fits_before_and_after(seed_lines):
+    fit = {"wall_seconds": 600.0}
+    one = seed_lines.fit_time_line(fit, {"wall_seconds": 280.0})
+    assert (one["ok"], one["value"]) == (False, "2.14x (10.0 vs 4.7 min)")
+    both = seed_lines.fit_time_line(fit, [{"wall_seconds": 280.0}, {"wall_seconds": 360.0}])
+    assert (both["ok"], both["value"]) == (True, "1.88x (10.0 vs 4.7 / 6.0 min, their mean)")
+    assert not seed_lines.fit_time_line({"wall_seconds": 641.0}, [{"wall_seconds": 280.0}, {"wall_seconds": 360.0}])["ok"]
+
+
 @pytest.mark.slow
 def test_a_tiny_run_fits_evaluates_checks_and_resumes(
     seed_lines, tiny_model_dir, tiny_corpus, tmp_path, monkeypatch, capsys

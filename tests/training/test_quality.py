@@ -94,6 +94,45 @@ def test_mapped_mse_equals_the_error_after_the_projection(width):
     torch.testing.assert_close(mapped_mse(d, None, None), d.pow(2).mean())
 
 
+def test_mapped_mse_through_a_bf16_gram_is_float32_and_close_to_exact():
+    """A bf16 Gram matrix (bf16 captures): the product runs in bf16, the error, loss and gradient
+    stay float32 and within bf16's rounding of the float64 values."""
+    g = torch.Generator().manual_seed(1)
+    d = torch.randn(2, 64, 24, generator=g, dtype=torch.float64)
+    proj = torch.randn(24, 32, generator=g, dtype=torch.float64)
+    exact = d.clone().requires_grad_(True)
+    want = mapped_mse(exact, proj @ proj.T, proj)
+    want.backward()
+    low = d.float().requires_grad_(True)
+    got = mapped_mse(low, (proj @ proj.T).bfloat16(), proj.float())
+    got.backward()
+    assert got.dtype == torch.float32 and low.grad.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0)
+    torch.testing.assert_close(low.grad.double(), exact.grad, rtol=2e-2, atol=2e-2 * float(exact.grad.abs().mean()))
+    assert not torch.equal(low.grad, (2 * d @ (proj @ proj.T) / d[..., 0].numel() / 32).float())  # bf16 rounded it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_space_transfer_runs_its_gram_product_in_the_captures_dtype(dtype, monkeypatch):
+    from rfkit.training import transfer as module
+
+    seen, real = [], module._GramSquare.forward
+
+    def spy(ctx, d, G):
+        seen.append((d.dtype, G.dtype))
+        return real(ctx, d, G)
+
+    monkeypatch.setattr(module._GramSquare, "forward", staticmethod(spy))
+    _, model = converted()
+    model = model.to(dtype)
+    for layer in model.get_decoder().layers:  # new weights stay float32, as the fit keeps them
+        if hasattr(layer.self_attn, "mixer"):
+            layer.self_attn.mixer.float()
+    report = transfer(model, random_ids(4, 32, seed=5), TransferConfig(steps=3, samples=4, space="output"), progress=False)
+    assert seen and set(seen) == {(torch.float32, dtype)}
+    assert report["mean_mse_after"] <= report["mean_mse_before"]
+
+
 def test_transfer_without_readout_still_learns():
     _, model = converted()
     blocks = random_ids(4, 32, seed=4)
