@@ -248,13 +248,14 @@ SHIPPED_B075 = Shipped(
     "shipped/b075/free_ppl.json",
     "shipped/b075/context/context.json",
 )
-B09_SEEDS = "seed_lines/b09_long_kl0_every1_read1875_epyc_bf16"  # the three seeds and the default fit, one session
+B09_SEEDS = "seed_lines/b09_gram_bf16_epyc_bf16"  # the three seeds and the default fit before and after them, one session
 SHIPPED_B09 = Shipped(
     0.9,
     "recipes/smollm2_b09.yaml",
     tuple(
         Seed(seed, f"{B09_SEEDS}/seed{seed}/fit_summary.json", f"{B09_SEEDS}/seed{seed}/context/context.json",
-             f"{B09_SEEDS}/seed{seed}/needles/needles.json", f"{B09_SEEDS}/reference/fit_summary.json")
+             f"{B09_SEEDS}/seed{seed}/needles/needles.json",
+             (f"{B09_SEEDS}/reference/fit_summary.json", f"{B09_SEEDS}/reference_after/fit_summary.json"))
         for seed in (0, 1, 2)
     ),
     "seed_lines/b09_recall_digits_kl_epyc_bf16/free_ppl.json",  # measured on the seeds' kind of machine: bf16 rounds differently per CPU
