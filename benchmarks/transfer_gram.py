@@ -1,7 +1,7 @@
 """Attention transfer's output-space loss per step, its Gram product in float32 against bf16, at a
 head map's shapes: what ``rfkit.training.transfer.train_blocks`` runs for every converted layer of
-every step (``mapped_mse``, forward and backward), once on the short batch and once on the long
-block.
+every step (``rfkit.training.output_loss.mapped_mse``, forward and backward), once on the short
+batch and once on the long block.
 
     python benchmarks/transfer_gram.py \\
         --head-map benchmarks/results/levers_smollm2_b09_rank2k8k/beta_0.9/head_map.json \\
@@ -41,7 +41,7 @@ def _batches(text: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     from rfkit.atomic import atomic_write_json
     from rfkit.provenance import command_line, stamp
-    from rfkit.training.transfer import mapped_mse
+    from rfkit.training.output_loss import mapped_mse
 
     parser = argparse.ArgumentParser(prog="transfer_gram.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-map", type=Path, required=True, help="a head map: the replaced heads per layer")

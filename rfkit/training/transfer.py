@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from rfkit.errors import RFKitError
+from rfkit.training.output_loss import mapped_mse
 from rfkit.validate import INTEGER_NOT_ALLOWED, in_range, one_of, positive_int
 
 log = logging.getLogger(__name__)
@@ -290,37 +291,6 @@ def solve_readout(mixer: nn.Module, values: torch.Tensor, target: torch.Tensor, 
         mixer.out_proj.bias.zero_()
 
 
-class _GramSquare(torch.autograd.Function):
-    """``sum(d * (d @ G))`` for a symmetric ``G``, with the gradient ``2 d G`` kept from the
-    forward: one matrix product in all where ``((d @ P) ** 2).sum()`` (``G = P P^T``) takes three.
-    The product runs in ``G``'s dtype (``d`` cast to it, the result back to ``d``'s), the sum in
-    ``d``'s."""
-
-    @staticmethod
-    def forward(ctx, d, G):
-        dG = (d.to(G.dtype) @ G).to(d.dtype)
-        ctx.save_for_backward(dG)
-        return (d * dG).sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (dG,) = ctx.saved_tensors
-        return 2 * grad * dG, None
-
-
-def mapped_mse(d: torch.Tensor, gram: torch.Tensor | None, proj: torch.Tensor | None) -> torch.Tensor:
-    """``F.mse_loss(d @ proj, 0)`` (plain ``d``'s mean square without ``proj``) through the Gram
-    matrix ``gram = proj @ proj.T``: the error of the block's output after ``W_O`` without mapping
-    the prediction and the target through it every step (``d_out <= hidden``: at most the same
-    work, a third of it for one KV group of three). The product ``d @ gram`` runs in ``gram``'s
-    dtype: :func:`train_blocks` gives it bf16 when the targets were captured in bf16 (a bf16 model:
-    in float32 this product was about a quarter of a transfer step; bf16 runs it about four times
-    faster), float32 otherwise."""
-    if proj is None:
-        return d.pow(2).mean()
-    return _GramSquare.apply(d, gram) / (d[..., 0].numel() * proj.shape[1])
-
-
 def train_blocks(
     mixers: dict[int, nn.Module],
     data,
@@ -357,9 +327,7 @@ def train_blocks(
     devices = {i: _device_of(m) for i, m in mixers.items()}
     proj = {i: (projections or {}).get(i) for i in mixers}
     proj = {i: None if p is None else p.to(devices[i], torch.float32) for i, p in proj.items()}  # uploaded once
-    # (d_out, d_out): the loss's only product, in the captured targets' dtype (what the original
-    # computed in: bf16 for a bf16 model, whose matrix products the CPU or GPU runs natively);
-    # the error d, its square and the sum stay float32
+    # (d_out, d_out): the loss's only product, in bf16 for bf16 captures (rfkit.training.output_loss)
     low = {i: torch.bfloat16 if data[i][1].dtype == torch.bfloat16 else torch.float32 for i in mixers}
     gram = {i: None if p is None else (p @ p.T).to(low[i]) for i, p in proj.items()}
 

@@ -18,7 +18,8 @@ from rfkit.models.operators import MambaOperator
 from rfkit.training.distill import DistillConfig, DistillError, hidden_loss, kl_loss
 from rfkit.training.freeze import FreezeStage, check_schedule, stage_at, trainable_names
 from rfkit.training.teacher import SharedTeacher
-from rfkit.training.transfer import TransferConfig, TransferError, capture, mapped_mse, transfer
+from rfkit.training.output_loss import mapped_mse
+from rfkit.training.transfer import TransferConfig, TransferError, capture, transfer
 
 SELECTED = [[0, 1], [2, 3]]  # GQA 4/2: one whole KV group per layer
 
@@ -114,7 +115,7 @@ def test_mapped_mse_through_a_bf16_gram_is_float32_and_close_to_exact():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_output_space_transfer_runs_its_gram_product_in_the_captures_dtype(dtype, monkeypatch):
-    from rfkit.training import transfer as module
+    from rfkit.training import output_loss as module
 
     seen, real = [], module._GramSquare.forward
 
