@@ -6,7 +6,8 @@ into its forward, backward and optimizer parts, short and long blocks apart.
         fit --config recipes/smollm2_b05.yaml --trainer.default_root_dir /tmp/fit_phases
 
 Runs the rfkit command as given in this process with one more callback (:class:`StepTimer`, read
-from this file) and timers on attention transfer's functions (put back afterwards); then reads the run's ``summary.json``.
+from this file) and timers on attention transfer's functions (put back afterwards); then reads the
+run's ``summary.json``.
 Writes one JSON with the provenance of the command, and prints a table. Timings on a shared machine
 are noisy: say whether anything else ran.
 
@@ -137,7 +138,7 @@ def _median(rows: list, key: str) -> float:
     return round(statistics.median(r[key] for r in rows), 3) if rows else 0.0
 
 
-def timed_capture():
+def timed_transfer():
     """Time attention transfer's parts in place: its capture passes (``capture``; short and long
     blocks apart, by their length), its evaluations of every block (``evaluate``, run before,
     after the read-out and after training), the calibration / read-out solve and its gradient
@@ -145,7 +146,7 @@ def timed_capture():
     from rfkit.models import mixer
     from rfkit.training import transfer
 
-    spent = {"seconds": 0.0, "calls": 0, "by_length": {}, "parts": {}}
+    spent = {"capture_seconds": 0.0, "capture_calls": 0, "by_length": {}, "parts": {}}
     originals = []
     spent["undo"] = lambda: [setattr(owner, name, real) for owner, name, real in reversed(originals)]
 
@@ -166,8 +167,8 @@ def timed_capture():
         setattr(owner, name, wrapper)
 
     def captured(seconds, _model, blocks, *rest):
-        spent["seconds"] += seconds
-        spent["calls"] += 1
+        spent["capture_seconds"] += seconds
+        spent["capture_calls"] += 1
         key = str(int(blocks.shape[-1]))
         spent["by_length"][key] = spent["by_length"].get(key, 0.0) + seconds
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timer = fit_phases.StepTimer
     started = time.time()
-    capture = timed_capture()
+    spent = timed_transfer()
     timer.steps.clear()
     timer.profile_step, timer.profile = args.profile_step, {}
     try:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if exit.code not in (0, None):
             return int(exit.code) if isinstance(exit.code, int) else 1
     finally:
-        capture["undo"]()
+        spent["undo"]()
     summary = json.loads(max(Path(root).rglob("summary.json"), key=lambda p: p.stat().st_mtime).read_text())
     phases = summary.get("phases", {})
     steps = timer.steps
@@ -226,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": summary.get("wall_seconds"),
         "precision": summary.get("precision"),
         "ppl_ratio": summary.get("ppl_ratio"),
-        "transfer": {"capture_s": round(capture["seconds"], 3), "capture_calls": capture["calls"],
-                     "training_s": round(phases.get("transfer", 0.0) - capture["seconds"], 3),
-                     "capture_by_length_s": {k: round(v, 3) for k, v in capture["by_length"].items()},
-                     "parts_s": {k: round(v, 3) for k, v in capture["parts"].items()}},  # fmt: skip
+        "transfer": {"capture_s": round(spent["capture_seconds"], 3), "capture_calls": spent["capture_calls"],
+                     "training_s": round(phases.get("transfer", 0.0) - spent["capture_seconds"], 3),
+                     "capture_by_length_s": {k: round(v, 3) for k, v in spent["by_length"].items()},
+                     "parts_s": {k: round(v, 3) for k, v in spent["parts"].items()}},  # fmt: skip
         "train": {"steps_s": round(stepping, 1), "outside_steps_s": round(phases.get("train", 0.0) - stepping, 1), "by_block_length": by_length},
         "steps": steps,
     }

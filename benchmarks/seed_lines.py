@@ -216,16 +216,8 @@ def plan(opts) -> list[Step]:
     # untimed, so every fit the lines compare reads it warm
     steps.append(_warm("recipe", opts.recipe, _model_and_data(opts.overrides), runs / "seed_profile"))
     if opts.reference != "none":
-        root = runs / "reference"
-        steps.append(_warm("reference", opts.reference, [], root))
-        steps.append(
-            Step(
-                "reference fit",
-                ["fit", "--config", opts.reference, "--trainer.default_root_dir", str(root)],
-                out / "reference" / "fit_summary.json",
-                root,
-            )
-        )
+        steps.append(_warm("reference", opts.reference, [], runs / "reference"))
+        steps.append(_reference_fit("reference fit", "reference", opts))
     for n, seed in enumerate(opts.seeds, 1):
         root, here = runs / f"seed{seed}", out / f"seed{seed}"
         fit = [
@@ -240,15 +232,7 @@ def plan(opts) -> list[Step]:
         ]
         steps.append(Step(f"seed {seed}: fit", fit, here / "fit_summary.json", root))
         if n == len(opts.seeds) and opts.reference_after:  # right after the last seed's fit
-            root = runs / "reference_after"
-            steps.append(
-                Step(
-                    "reference fit, after",
-                    ["fit", "--config", opts.reference, "--trainer.default_root_dir", str(root)],
-                    out / "reference_after" / "fit_summary.json",
-                    root,
-                )
-            )
+            steps.append(_reference_fit("reference fit, after", "reference_after", opts))
         context = ["eval", "context", *CONTEXT_ARGS, *shlex.split(opts.context_args), "--output", str(here / "context")]
         steps.append(Step(f"seed {seed}: context", context, here / "context" / "context.json", seed=seed))
         needles = ["eval", "needles", *NEEDLES_ARGS, *shlex.split(opts.needles_args), "--output", str(here / "needles")]
@@ -258,6 +242,13 @@ def plan(opts) -> list[Step]:
         bench = ["bench", "speed", "--contexts", "2048,8192", "--runs", "5", "--no-record", "--json", str(speed)]
         steps.append(Step("speed", bench, speed, seed=opts.seeds[0]))
     return steps
+
+
+def _reference_fit(name: str, folder: str, opts) -> Step:
+    """The default recipe's fit under ``--runs``/``folder``, its summary in ``--output``/``folder``."""
+    root = Path(opts.runs) / folder
+    fit = ["fit", "--config", opts.reference, "--trainer.default_root_dir", str(root)]
+    return Step(name, fit, Path(opts.output) / folder / "fit_summary.json", root)
 
 
 def _warm(name: str, recipe: str, overrides: list[str], root: Path) -> Step:
