@@ -187,14 +187,17 @@ def fit_time_line(fit: dict, reference: dict | list[dict]) -> dict:
 
 
 def check_speed(beta: float, speed: dict) -> list[dict]:
-    """The decode lines of ``beta`` (if any) from an ``rfkit bench speed`` result, batch 1."""
+    """The decode lines of ``beta`` (if any) from an ``rfkit bench speed`` result, batch 1; the
+    value names the row's bytes ratio where the result has one (the most a step bound by memory
+    traffic can gain: a line above it needs a step bound by compute)."""
     limits = LINES.get(beta)
     rows = {str(r["context"]): r for r in speed["rows"] if r.get("batch", 1) == 1}
     out = []
     for n, least in (limits.decode if limits else {}).items():
         if n in rows:
             got = rows[n]["decode_ratio"]
-            out.append(_line(f"decode at {n} >= {least}x", f"{got:.2f}x", got >= least))
+            ceiling = f" (bytes ratio {rows[n]['bytes_ratio']:.2f}x)" if "bytes_ratio" in rows[n] else ""
+            out.append(_line(f"decode at {n} >= {least}x", f"{got:.2f}x{ceiling}", got >= least))
     return out
 
 

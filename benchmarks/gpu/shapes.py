@@ -499,7 +499,8 @@ def heads_numbers(model, policy: dict, settings: dict, device) -> dict:
 def cache_numbers(model, length: int, settings: dict, device, original_row: dict | None) -> dict:
     """Bytes the cache holds after a prompt and ``length`` generated tokens (fed in chunks), the
     analytic prediction, and the ratio to the original's measured cache."""
-    from rfkit.experiments.bench import analytic_cache, cache_after_generation
+    from rfkit.experiments.bench import cache_after_generation
+    from rfkit.experiments.footprint import analytic_cache
 
     prompt = settings["prompt_len"]
     measured = cache_after_generation(model, prompt, length, settings["cache_chunk"], 0, device)
@@ -638,12 +639,13 @@ def time_chunked(model, ids: torch.Tensor, new_tokens: int, chunk: int) -> tuple
 
 
 def _pair_numbers(pair, context: int, batch: int, runs: int, decode_tokens: int, device) -> dict:
-    """``rfkit bench speed``'s row for one context and batch: medians of interleaved runs."""
-    from rfkit.experiments.speed import _interleaved, _row, random_ids
+    """``rfkit bench speed``'s row for one context and batch: medians of interleaved runs, and what
+    one decode step of each model reads (``bytes_ratio``: the most a bandwidth-bound step can gain)."""
+    from rfkit.experiments.speed import _interleaved, _row, bytes_columns, random_ids
 
     ids = random_ids(pair.original, batch, context, 0, device)
     times = _interleaved(pair, lambda name: ids, runs, decode_tokens, None)
-    row = _row(times, context, batch)
+    row = {**_row(times, context, batch), **bytes_columns(pair, context, batch)}
     del row["context"], row["batch"]
     return row
 
@@ -670,7 +672,7 @@ def decode_numbers(pair, context: int, batch: int, settings: dict, runs: int, de
 def speed_cell(pair, context: int, batch: int, settings, runs, decode_tokens, device, limit) -> dict:
     """One speed cell, or a skip when the original's K/V plus the prefill's activations would not
     fit the free memory (the original holds the larger cache; the two models run one at a time)."""
-    from rfkit.experiments.bench import analytic_cache
+    from rfkit.experiments.footprint import analytic_cache
 
     config = pair.original.config
     tokens = context + decode_tokens
@@ -807,9 +809,14 @@ def summary_line(row: dict) -> str:
         at = ">= " if row["at_cap"] else ""
         return f"{head}: l_m {at}{row['max_input']:,} tokens ({len(row['probes'])} probes, budget {human(row['budget_bytes'])})"
     return (
-        f"{head}: decode {row['decode_tps_original']:.1f} -> {row['decode_tps_converted']:.1f} tok/s ({row['decode_ratio']:.2f}x), "
+        f"{head}: decode {row['decode_tps_original']:.1f} -> {row['decode_tps_converted']:.1f} tok/s ({row['decode_ratio']:.2f}x"
+        f"{_bytes_note(row)}), "
         f"prefill {row['prefill_tps_original']:.0f} -> {row['prefill_tps_converted']:.0f} tok/s ({row['prefill_ratio']:.2f}x)"
     )
+
+
+def _bytes_note(row: dict) -> str:
+    return f"; bytes ratio {row['bytes_ratio']:.2f}x" if "bytes_ratio" in row else ""
 
 
 def _cells(row: dict, cells) -> str:
@@ -832,13 +839,14 @@ def markdown(result: dict) -> str:
         lines.append("")
     speed = [r for r in rows if r["measurement"] in ("speed", "decode")]
     if speed:
-        head = "| shape | operator | context | batch | compiled | prefill tok/s original | converted | ratio | decode tok/s original | converted | ratio |"
-        lines += [head, "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+        head = "| shape | operator | context | batch | compiled | prefill tok/s original | converted | ratio | decode tok/s original | converted | ratio | bytes ratio |"
+        lines += [head, "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in speed:
             body = _cells(r, lambda r: (
                 f"{r['prefill_tps_original']:,.0f} | {r['prefill_tps_converted']:,.0f} | {r['prefill_ratio']:.2f}x | "
                 f"{r['decode_tps_original']:,.1f} | {r['decode_tps_converted']:,.1f} | {r['decode_ratio']:.2f}x"
                 + ("" if r.get("method", "generate") == "generate" else " (chunked prefill)")
+                + (f" | {r['bytes_ratio']:.2f}x" if "bytes_ratio" in r else " | -")
             ))  # fmt: skip
             lines.append(f"| {r['shape']} | {r['operator']} | {r['context']:,} | {r['batch']} | {'yes' if r.get('compiled') else 'no'} | {body} |")
         lines.append("")

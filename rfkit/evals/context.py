@@ -163,7 +163,7 @@ def matched_baseline(model) -> str:
     the mixers' constant state (less each layer's 8-byte token counter, which the baseline keeps
     too) over the replaced KV heads, in tokens of K/V at the model's dtype, rounded down, less the
     4 sink tokens. It is the training-free model at the converted model's cache, in every dtype."""
-    from rfkit.experiments.bench import analytic_cache
+    from rfkit.experiments.footprint import analytic_cache
     from rfkit.models.layout import AttentionLayout
     from rfkit.models.modeling import RecurFormerAttention
 
@@ -184,7 +184,7 @@ def measure(model, tokenizer, blocks: dict[int, list], args, name: str) -> dict:
     """Perplexity per length, passkey accuracy per length and the analytic cache of one model."""
     from rfkit.evals.perplexity import evaluate_perplexity
     from rfkit.evals.passkey import NEW_TOKENS, evaluate_passkey
-    from rfkit.experiments.bench import analytic_cache
+    from rfkit.experiments.footprint import analytic_cache
 
     ppl = {n: evaluate_perplexity(model, batches, desc=f"perplexity ({name}, {n})") for n, batches in blocks.items()}
     passkey, by_depth = {}, {}

@@ -124,35 +124,6 @@ def load_pair(spec: str | ModelSpec, device: torch.device) -> ModelPair:
 
 
 # ----------------------------------------------------------------------------- cache
-def _layers(model):
-    return model.get_decoder().layers
-
-
-def analytic_cache(model, batch: int = 1) -> dict:
-    """Predicted cache: K/V bytes per token (kept KV heads) and the mixers' constant state."""
-    from rfkit.models.layout import AttentionLayout
-    from rfkit.models.modeling import RecurFormerAttention
-
-    layout = AttentionLayout.from_config(model.config)
-    itemsize = next(model.parameters()).element_size()
-    kv_heads, state = 0, 0
-    for layer in _layers(model):
-        attn = layer.self_attn
-        if isinstance(attn, RecurFormerAttention):
-            kv_heads += len(attn.kept_kv_heads) if attn.has_kept else 0
-            kv_dtype = attn.o_proj.weight.dtype
-            cache_dtype = getattr(attn.mixer, "cache_dtype", None)  # a plugin's mixer may not have the hook
-            state += attn.mixer.state_bytes(batch, cache_dtype(kv_dtype) if callable(cache_dtype) else kv_dtype)
-        else:
-            kv_heads += layout.num_kv_heads
-    total_kv = layout.num_kv_heads * len(_layers(model))
-    return {
-        "kv_bytes_per_token": batch * kv_heads * 2 * layout.head_dim * itemsize,
-        "state_bytes": state,
-        "kept_kv_fraction": kv_heads / total_kv,
-    }
-
-
 def _random_ids(model, length: int, seed: int, device) -> torch.Tensor:
     from rfkit.experiments.speed import random_ids
 
@@ -272,6 +243,8 @@ def max_input_length(model, budget: int, seed: int, device, start: int = 512, li
 
 def run_cache(args, pair: ModelPair, device) -> dict:
     from tqdm.auto import tqdm
+
+    from rfkit.experiments.footprint import analytic_cache
 
     lengths = args.lengths_list
     pred = {name: analytic_cache(getattr(pair, name)) for name in ("original", "converted")}

@@ -8,6 +8,11 @@ interleaved (medians of ``--runs``):
 - **Throughput at a memory budget** (``--max-input 1GiB``): per context, the largest batch whose
   cache (K/V + mixer state, measured after a real prefill) fits the budget, and the decode
   tokens/s that batch gives. Half the cache means twice the sequences in the same memory.
+- **Bytes one decode step reads** (every row): the weights (the output head's table once, one row
+  of an input table it does not share) plus the whole cache at that context, for each model, and
+  their ratio: the most a decode step can gain if memory traffic bounds it. A measured decode
+  ratio near ``bytes_ratio`` is a step at the bandwidth bound; one above it gained on compute
+  (the original's attention over a long cache costing more than reading it).
 - **One layer's decode step** (``--layer-step``): wall time of one attention layer's forward for
   one new token (forward hooks, median over layers and steps) and the torch calls it makes
   (``TorchFunctionMode``), for the original's layers and the converted layers. A regression in
@@ -94,6 +99,17 @@ def _row(times: dict, context: int, batch: int) -> dict:
         row[f"decode_s_per_token_runs_{name}"] = times[name]["decode"]
     row["prefill_ratio"] = row["prefill_tps_converted"] / row["prefill_tps_original"]
     row["decode_ratio"] = row["decode_tps_converted"] / row["decode_tps_original"]
+    return row
+
+
+def bytes_columns(pair, context: int, batch: int) -> dict:
+    """``bytes_per_step_{name}`` for both models and ``bytes_ratio`` (original over converted)."""
+    from rfkit.experiments.footprint import step_bytes
+
+    row = {}
+    for name in NAMES:
+        row[f"bytes_per_step_{name}"] = step_bytes(getattr(pair, name), context, batch)["total"]
+    row["bytes_ratio"] = row["bytes_per_step_original"] / row["bytes_per_step_converted"]
     return row
 
 
@@ -204,7 +220,7 @@ def run_speed(args, pair, device) -> dict:
             for batch in batches:
                 ids = random_ids(pair.original, batch, context, args.seed, device)
                 times = _interleaved(pair, lambda name: ids, args.runs, args.decode_tokens, bar)
-                rows.append(_row(times, context, batch))
+                rows.append({**_row(times, context, batch), **bytes_columns(pair, context, batch)})
             if args.layer_step:
                 step = {"context": context}
                 for name in NAMES:
@@ -233,20 +249,25 @@ def run_speed(args, pair, device) -> dict:
     return result
 
 
+def _bytes_ratio(row: dict) -> str:
+    return f"{row['bytes_ratio']:.2f}x" if "bytes_ratio" in row else "-"  # files written before the column
+
+
 def markdown(result: dict, mib) -> list[str]:
-    head = ["context", "batch", "prefill tok/s original", "prefill tok/s converted", "ratio", "decode tok/s original", "decode tok/s converted", "ratio"]
+    head = ["context", "batch", "prefill tok/s original", "prefill tok/s converted", "ratio", "decode tok/s original", "decode tok/s converted", "ratio", "bytes ratio"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         lines.append(
             f"| {r['context']:,} | {r.get('batch', 1)} | {r['prefill_tps_original']:.1f} | {r['prefill_tps_converted']:.1f} | "
             f"{r['prefill_ratio']:.2f}x | {r['decode_tps_original']:.2f} | {r['decode_tps_converted']:.2f} | "
-            f"{r['decode_ratio']:.2f}x |"
+            f"{r['decode_ratio']:.2f}x | {_bytes_ratio(r)} |"
         )
     lines.append("")
     lines.append(
         f"Median of {result['runs']} interleaved runs after a warm-up; decode over {result['decode_tokens']} "
         f"greedy tokens of `generate()`; "
-        f"device {result['device']}, {result['threads']} threads."
+        f"device {result['device']}, {result['threads']} threads. Bytes ratio: what one decode step reads "
+        f"(weights and the whole cache), original over converted: the most a step bound by memory traffic can gain."
     )
     if result.get("layer_step"):
         lines += ["", "One attention layer's decode step (median over the converted layers; every layer of the original):", ""]

@@ -217,7 +217,8 @@ def measure(model, val_batches, cache_length: int, device, desc: str, long: dict
     """Validation perplexity and the cache after ``cache_length`` tokens (plus the analytic
     per-token K/V bytes and constant state); with ``long``, the perplexity on each of its sets."""
     from rfkit.evals.perplexity import evaluate_perplexity
-    from rfkit.experiments.bench import analytic_cache, cache_after_generation
+    from rfkit.experiments.bench import cache_after_generation
+    from rfkit.experiments.footprint import analytic_cache
 
     model.to(device).eval()
     ppl = evaluate_perplexity(model, val_batches, desc=desc)
@@ -227,9 +228,7 @@ def measure(model, val_batches, cache_length: int, device, desc: str, long: dict
     return {
         "ppl": ppl,
         "long_ppl": long_ppl,
-        "kv_bytes_per_token": predicted["kv_bytes_per_token"],
-        "state_bytes": predicted["state_bytes"],
-        "kept_kv_fraction": predicted["kept_kv_fraction"],
+        **{key: predicted[key] for key in ("kv_bytes_per_token", "state_bytes", "kept_kv_fraction")},
         "cache_bytes": held["total"],
         "cache_bytes_per_token": held["total"] / cache_length,
     }

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from rfkit.conversion import evaluations
 from rfkit.conversion.headmap import HeadMap
 from rfkit.experiments import bench
+from rfkit.experiments.footprint import step_bytes, weight_bytes_per_step
 from rfkit.experiments.speed import cache_bytes_per_sequence
 from rfkit.models.cache import cache_bytes
 
@@ -131,6 +132,33 @@ def test_speed_bench_rows(converted_dir, tmp_path, capsys):
             assert row[key] > 0
         assert len(row["prefill_s_runs_original"]) == len(row["decode_s_per_token_runs_converted"]) == 2
     assert "| 48 |" in stdout and "Median of 2 interleaved runs" in stdout
+    original = bench.load_pair(str(converted_dir), torch.device("cpu")).original
+    e = _weight_dtype(converted_dir).itemsize
+    for row in result["rows"]:  # the original reads its weights and 2 layers x 2 KV heads x K, V x 16 x e per token
+        weights = weight_bytes_per_step(original)
+        assert row["bytes_per_step_original"] == weights + 2 * 2 * 2 * 16 * e * row["context"]
+        assert row["bytes_ratio"] == row["bytes_per_step_original"] / row["bytes_per_step_converted"]
+    # fewer cached tokens, more bytes saved: the ratio grows with the context
+    assert result["rows"][1]["bytes_ratio"] > result["rows"][0]["bytes_ratio"]
+    assert "bytes ratio" in stdout and f"{result['rows'][1]['bytes_ratio']:.2f}x |" in stdout
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_reads_every_weight_once_and_one_row_of_an_input_table_it_does_not_share(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    # by hand, float32: q and o 32 x 32, k and v 32 x 16 (2 KV heads of 8), the MLP 3 x 32 x 64, two norms
+    layer = 4 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32)
+    head = 4 * 100 * 32  # the output head reads the whole table
+    input_row = 0 if tied else 4 * 32  # an input table of its own: one row a token
+    assert weight_bytes_per_step(model) == 2 * layer + 4 * 32 + head + input_row
+    # and the cache: 2 layers x 2 KV heads x K, V x 8 x 4 bytes per token per sequence, no state
+    step = step_bytes(model, context=10, batch=3)
+    assert step["cache"] == 3 * 10 * 2 * 2 * 2 * 8 * 4
+    assert step["total"] == step["weights"] + step["cache"]
 
 
 def test_speed_bench_compile_runs_the_compiled_steady_step(converted_dir, tmp_path, capsys, monkeypatch):

@@ -61,12 +61,16 @@ def test_speed_tiny_measures_eager_and_compiled_cells_and_skips_what_does_not_fi
         for key in ("prefill_tps_original", "prefill_tps_converted", "decode_tps_original", "decode_tps_converted"):
             assert cell[key] > 0
         assert cell["decode_ratio"] == pytest.approx(cell["decode_tps_converted"] / cell["decode_tps_original"])
+        # what one step reads: the converted model keeps half the K/V (beta 0.5), so it reads less
+        assert cell["bytes_per_step_original"] > cell["bytes_per_step_converted"] > 0
+        assert cell["bytes_ratio"] == cell["bytes_per_step_original"] / cell["bytes_per_step_converted"]
         assert cell["method"] == "generate" and cell["beta"] == 0.5
         (skipped,) = _rows(out, measurement="speed", batch=4, compiled=compiled)
         assert skipped["skipped"].startswith("memory") and skipped["estimated_bytes"] > skipped["available_bytes"] == 2**20
     assert _rows(out, measurement="speed", compiled=True, batch=1)[0]["compiled_mixers"] == 2  # both layers converted
     text = (tmp_path / "speed.md").read_text()
     assert "| smollm2-135m | hybrid | 256 | 1 | yes |" in text and "skipped: memory" in text
+    assert f"| {cell['bytes_ratio']:.2f}x |" in text and "bytes ratio" in text
     printed = capsys.readouterr().out
     assert printed.count("speed smollm2-135m hybrid") == 4
 
@@ -203,7 +207,7 @@ def test_bad_flags_are_one_line_errors(shapes, tmp_path):
 def test_every_true_shape_converts_with_its_recipes_on_the_meta_device(shapes):
     """The GPU run's models at their true shapes, built and converted without memory (meta tensors):
     the shapes, the recipes' operators and the sizes the GPU plan counts on."""
-    from rfkit.experiments.bench import analytic_cache
+    from rfkit.experiments.footprint import analytic_cache
 
     meta = torch.device("meta")
     expected = {  # (weights GiB of the original, kept KV fraction of the converted)

@@ -60,6 +60,17 @@ def test_the_shipped_beta_075_seeds_meet_every_quality_line_and_the_2k_decode_on
     assert not result["all_met"]  # a line missed on one machine is missed
 
 
+def test_a_decode_line_names_the_bytes_ratio_where_the_bench_measured_it(seed_lines):
+    rows = [
+        {"context": 2048, "batch": 1, "decode_ratio": 1.134, "bytes_ratio": 1.121},
+        {"context": 2048, "batch": 4, "decode_ratio": 2.5, "bytes_ratio": 2.6},  # not batch 1: not read
+        {"context": 8192, "batch": 1, "decode_ratio": 1.95},  # a file from before the column
+    ]
+    lines = seed_lines.check_speed(0.75, {"rows": rows})
+    assert [(x["value"], x["ok"]) for x in lines] == [("1.13x (bytes ratio 1.12x)", False), ("1.95x", True)]
+    assert seed_lines.check_speed(0.9, {"rows": rows}) == []  # beta 0.9 has no decode line
+
+
 def test_a_line_fails_when_its_value_crosses_it(seed_lines):
     from tables import load
     from tables.front import SHIPPED_B09
