@@ -96,6 +96,7 @@ SHIPPED_SPEED = {
     0.75: (
         ("shipped/b075/speed/speed.json", "the recipe's architecture, untrained, float32"),
         ("shipped/b075/speed_bf16_epyc/speed.json", "the recipe's architecture, untrained, bf16"),
+        ("shipped/b075/speed_bytes/bf16.json", "the recipe's architecture, untrained, bf16, a second machine"),
     )
 }
 
